@@ -1,0 +1,205 @@
+"""Process groups for 3D parallelism, built once and passed to whatever needs them.
+
+Ranks are laid out as DeepSpeed's ``PipeModelDataParallelTopology`` lays them out, with the axes
+(pipe, data, model) from slowest to fastest varying::
+
+    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+
+so the ranks of one tensor-parallel group are neighbours (one node, fast links), and DeepSpeed's
+pipeline engine, which builds its own grid from the same topology, agrees with ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None when the axis has size 1
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where a global rank sits in the (pipe, data, model) grid: pure arithmetic, no communication."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        pp_rank, rest = divmod(rank, self.dp_size * self.tp_size)
+        dp_rank, tp_rank = divmod(rest, self.tp_size)
+        return pp_rank, dp_rank, tp_rank
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for t in range(self.tp_size)]
+                for p, d in itertools.product(range(self.pp_size), range(self.dp_size))]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for d in range(self.dp_size)]
+                for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for p in range(self.pp_size)]
+                for d, t in itertools.product(range(self.dp_size), range(self.tp_size))]
+
+
+def layout_problems(world_size: int, tensor: int, pipeline: int) -> list[str]:
+    """Problems with a requested layout, found before any process group exists."""
+    problems = []
+    if tensor < 1:
+        problems.append(f"parallel.tensor must be >= 1 (got {tensor})")
+    if pipeline < 1:
+        problems.append(f"parallel.pipeline must be >= 1 (got {pipeline})")
+    if tensor >= 1 and pipeline >= 1 and world_size % (tensor * pipeline) != 0:
+        problems.append(
+            f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline "
+            f"({tensor} × {pipeline} = {tensor * pipeline}); launch a multiple of {tensor * pipeline} "
+            f"ranks or change the layout")
+    return problems
+
+
+def check_matches_deepspeed_topology(layout: RankLayout) -> None:
+    """Assert that our rank layout is DeepSpeed's, so its pipeline grid and our groups agree."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(
+        num_pp=layout.pp_size, num_mp=layout.tp_size, num_dp=layout.dp_size)
+    for rank in range(layout.world_size):
+        coord = topology.get_coord(rank)
+        ours = layout.coords(rank)
+        assert (coord.pipe, coord.data, coord.model) == ours, (
+            f"rank {rank}: DeepSpeed places it at (pipe={coord.pipe}, data={coord.data}, "
+            f"model={coord.model}), lnstrain at (pipe, data, model) = {ours}")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the (tensor, pipeline, data) grid and the groups it belongs to.
+
+    Group handles are ``None`` when that axis has size 1: layers then skip communication entirely.
+    The ``get_*`` methods make this object usable as DeepSpeed's ``mpu`` argument.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: ProcessGroup = None
+    pp_group: ProcessGroup = None
+    dp_group: ProcessGroup = None
+    sequence_parallel: bool = False
+    tp_ranks: tuple[int, ...] = (0,)
+    pp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+    # Real group handles even for axes of size 1 (DeepSpeed insists on a handle): (tp, pp, dp).
+    mpu_groups: tuple[ProcessGroup, ProcessGroup, ProcessGroup] = (None, None, None)
+
+    @classmethod
+    def single_process(cls) -> "ParallelGroups":
+        return cls()
+
+    @classmethod
+    def build(cls, tensor: int, pipeline: int, sequence_parallel: bool = False) -> "ParallelGroups":
+        """Create every group (all ranks must call this, in the same order) after dist init."""
+        if not dist.is_initialized():
+            if tensor == pipeline == 1:
+                return cls(sequence_parallel=False)
+            raise RuntimeError("torch.distributed must be initialised before building a "
+                               f"tensor={tensor} × pipeline={pipeline} layout")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        problems = layout_problems(world_size, tensor, pipeline)
+        if problems:
+            raise ValueError("; ".join(problems))
+        layout = RankLayout(tp_size=tensor, pp_size=pipeline, dp_size=world_size // (tensor * pipeline))
+        check_matches_deepspeed_topology(layout)
+
+        def my_group(all_groups: list[list[int]]) -> tuple[ProcessGroup, tuple[int, ...]]:
+            mine, handle = None, None
+            for ranks in all_groups:  # new_group is collective: every rank creates every group
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine, handle = tuple(ranks), group
+            return handle, mine
+
+        tp_handle, tp_ranks = my_group(layout.tp_groups())
+        dp_handle, dp_ranks = my_group(layout.dp_groups())
+        pp_handle, pp_ranks = my_group(layout.pp_groups())
+        tp_group = tp_handle if tensor > 1 else None
+        pp_group = pp_handle if pipeline > 1 else None
+        dp_group = dp_handle if layout.dp_size > 1 else None
+        pp_rank, dp_rank, tp_rank = layout.coords(rank)
+        groups = cls(tp_size=tensor, pp_size=pipeline, dp_size=layout.dp_size,
+                     tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                     tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
+                     sequence_parallel=sequence_parallel and tensor > 1,
+                     tp_ranks=tp_ranks, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
+                     mpu_groups=(tp_handle, pp_handle, dp_handle))
+        logger.info("rank %d: tensor %d/%d, pipeline %d/%d, data %d/%d", rank, tp_rank, tensor,
+                    pp_rank, pipeline, dp_rank, layout.dp_size)
+        return groups
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    # The mpu interface DeepSpeed's engine calls (tensor parallel is its "model parallel").
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_model_parallel_group(self) -> ProcessGroup:
+        return self.mpu_groups[0]
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.tp_ranks[0]
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self) -> ProcessGroup:
+        return self.mpu_groups[2]
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipe_parallel_group(self) -> ProcessGroup:
+        return self.mpu_groups[1]

@@ -1,0 +1,59 @@
+"""Process-group layout: ours must be DeepSpeed's, and every rank must sit in consistent groups."""
+
+import pytest
+
+from lnstrain.parallel.groups import ParallelGroups, RankLayout, check_matches_deepspeed_topology, layout_problems
+from lnstrain.testing.distributed import run_distributed
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 4), (2, 2, 2), (4, 1, 2), (1, 4, 2), (2, 4, 1)])
+def test_layout_matches_deepspeed(tp, pp, dp):
+    layout = RankLayout(tp_size=tp, pp_size=pp, dp_size=dp)
+    check_matches_deepspeed_topology(layout)
+    for groups in (layout.tp_groups(), layout.dp_groups(), layout.pp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(tp * pp * dp))
+
+
+def test_tensor_groups_are_neighbours():
+    assert RankLayout(tp_size=2, pp_size=2, dp_size=2).tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_layout_problems_name_the_fix():
+    (problem,) = layout_problems(world_size=6, tensor=4, pipeline=1)
+    assert "not divisible" in problem and "parallel.tensor" in problem
+
+
+def _groups_worker(rank, world_size, tp, pp):
+    import torch
+    import torch.distributed as dist
+
+    groups = ParallelGroups.build(tensor=tp, pipeline=pp)
+    summed = {}
+    for name, group in (("tp", groups.tp_group), ("dp", groups.dp_group), ("pp", groups.pp_group)):
+        value = torch.tensor([float(rank)])
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        summed[name] = value.item()
+    return groups.tp_rank, groups.pp_rank, groups.dp_rank, summed
+
+
+@pytest.mark.multirank
+def test_groups_reduce_over_the_right_ranks():
+    results = run_distributed(_groups_worker, 4, 2, 2)
+    # tp pairs {0,1},{2,3}; pp pairs {0,2},{1,3}; dp size 1.
+    assert [r[:3] for r in results] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert [r[3]["tp"] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert [r[3]["pp"] for r in results] == [2.0, 4.0, 2.0, 4.0]
+    assert [r[3]["dp"] for r in results] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _failing_worker(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+@pytest.mark.multirank
+def test_run_distributed_reports_the_failing_rank():
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on purpose"):
+        run_distributed(_failing_worker, 2, timeout_s=60)
