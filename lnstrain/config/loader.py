@@ -1,0 +1,236 @@
+"""YAML -> typed dataclasses, collecting every problem instead of stopping at the first.
+
+The loader knows nothing about lnstrain's sections: it walks a dataclass's type hints. Supported
+field types: bool, int, float, str, ``X | None``, ``list[X]``, ``tuple[X, ...]``, ``dict[str, X]``,
+``Literal[...]``, ``Enum`` subclasses, ``Any`` and nested dataclasses.
+
+A YAML file may start with ``base: other.yaml`` (or a list of files, relative to it): those are
+loaded first and deep-merged, then the file's own keys override them. This is how the model family
+shares one recipe without a family of near-identical files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+MISSING = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n{lines}")
+
+
+def suggest(name: str, candidates: typing.Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for a misspelt name, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
+    """Convert a YAML value to ``tp``; append a problem and return the value unchanged on failure."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options:
+            trial: list[str] = []
+            converted = _convert(value, option, path, trial)
+            if not trial:
+                return converted
+        problems.append(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+        return value
+    if origin is Literal:
+        if value in args:
+            return value
+        problems.append(f"{path}: must be one of {', '.join(map(repr, args))} (got {value!r})"
+                        f"{suggest(str(value), map(str, args))}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            names = [m.value for m in tp]
+            problems.append(f"{path}: must be one of {', '.join(map(repr, names))} (got {value!r})"
+                            f"{suggest(str(value), map(str, names))}")
+            return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping of {tp.__name__} keys, got {value!r}")
+            return value
+        return _build(tp, value, path, problems)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{path}: expected a list, got {value!r}")
+            return value
+        item_type = args[0] if args else Any
+        items = [_convert(v, item_type, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {value!r}")
+            return value
+        value_type = args[1] if len(args) == 2 else Any
+        return {k: _convert(v, value_type, f"{path}.{k}", problems) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+                if number.is_integer():
+                    return int(number)
+            except ValueError:
+                pass
+        problems.append(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{path}: expected a number, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        problems.append(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type[T], data: dict, path: str, problems: list[str]) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            problems.append(f"unknown key '{where}'{suggest(str(key), fields)}")
+            continue
+        kwargs[key] = _convert(value, hints[key], where, problems)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            problems.append(f"missing required key '{path + '.' if path else ''}{name}'")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        problems.append(f"{path or cls.__name__}: {error}")
+        return None  # type: ignore[return-value]
+
+
+def from_dict(cls: type[T], data: dict, path: str = "") -> tuple[T, list[str]]:
+    """Build ``cls`` from a nested dict; returns the object and the list of problems found."""
+    problems: list[str] = []
+    obj = _build(cls, data or {}, path, problems)
+    return obj, problems
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain YAML-able data (enums by value)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``; nested mappings merge, everything else is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_yaml_with_bases(path: str | os.PathLike, _seen: tuple[str, ...] = ()) -> dict:
+    """Read a YAML file, resolving its ``base:`` files (relative to it) first."""
+    path = Path(path)
+    resolved = str(path.resolve())
+    if resolved in _seen:
+        raise ConfigError([f"'base' files form a cycle: {' -> '.join(_seen + (resolved,))}"], str(path))
+    if not path.is_file():
+        raise ConfigError([f"config file not found: {path}"], str(path))
+    with open(path, encoding="utf-8") as handle:
+        try:
+            data = yaml.safe_load(handle) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError([f"invalid YAML: {error}"], str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, got {type(data).__name__}"],
+                          str(path))
+    bases = data.pop("base", None) or []
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        merged = deep_merge(merged, load_yaml_with_bases(path.parent / base, _seen + (resolved,)))
+    return deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=3e-4' -> (['optim', 'lr'], 0.0003); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError([f"override '{text}' must look like section.key=value"], "--set")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return [part for part in key.strip().split(".") if part], value
+
+
+def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
+    """Apply ``--set`` overrides to raw config data (before typing, so all checks still run)."""
+    data = dict(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        if not keys:
+            raise ConfigError([f"override '{text}' names no key"], "--set")
+        node = data
+        for key in keys[:-1]:
+            child = node.get(key)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[key] = child
+            node = child
+        node[keys[-1]] = value
+    return data

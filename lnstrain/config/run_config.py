@@ -1,0 +1,222 @@
+"""The whole description of a run: one YAML file, parsed into the sections' dataclasses.
+
+Each component owns its section's dataclass (model, parallel, data, ...); this file only composes
+them, adds the cross-section checks, and loads, overrides and saves the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from lnstrain.checkpoint.config import CheckpointConfig
+from lnstrain.config.loader import ConfigError, apply_overrides, from_dict, load_yaml_with_bases, to_dict
+from lnstrain.data.config import DataConfig
+from lnstrain.model.config import ModelConfig
+from lnstrain.parallel.config import ParallelConfig
+from lnstrain.training.config import OptimConfig, PrecisionConfig, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunConfig:
+    """Identity and location of a run.
+
+    Attributes:
+        name: run name; the run directory is ``<output_dir>/<name>``.
+        output_dir: parent of run directories.
+    """
+
+    name: str = "run"
+    output_dir: str = "runs"
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.name or "/" in self.name:
+            problems.append(f"run.name must be a non-empty name without '/' (got {self.name!r})")
+        return problems
+
+
+@dataclass
+class LoggingConfig:
+    """Console and TensorBoard logging.
+
+    Attributes:
+        interval: log a line (rank 0) and TensorBoard scalars every this many steps.
+        tensorboard: write TensorBoard event files under ``<run dir>/tensorboard``.
+        depth_stats_interval: every this many steps, record per-layer statistics (residual
+            variance, gradient norms, sublayer-to-residual ratios); 0 disables them.
+    """
+
+    interval: int = 10
+    tensorboard: bool = True
+    depth_stats_interval: int = 0
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.interval < 1:
+            problems.append(f"logging.interval must be >= 1 (got {self.interval})")
+        if self.depth_stats_interval < 0:
+            problems.append(f"logging.depth_stats_interval must be >= 0 (got {self.depth_stats_interval})")
+        return problems
+
+
+@dataclass
+class Config:
+    """A complete run. ``deepspeed`` is passed through, merged last into the derived DeepSpeed JSON."""
+
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+    # --- derived quantities -------------------------------------------------------------------
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.parallel.tensor * self.parallel.pipeline)
+
+    def grad_accumulation_steps(self, world_size: int) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.steps is not None:
+            return self.train.steps
+        return math.ceil(self.train.tokens / self.tokens_per_step)
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.optim.warmup_steps is not None:
+            return self.optim.warmup_steps
+        return int(self.optim.warmup_fraction * self.total_steps)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run.dir / "checkpoints"
+
+    # --- checks -------------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> list[str]:
+        """Every problem with this config, including those that depend on the world size."""
+        problems: list[str] = []
+        problems += self.model.validate(tensor_parallel=max(self.parallel.tensor, 1))
+        for section in (self.data, self.run, self.parallel, self.optim, self.train,
+                        self.precision, self.checkpoint, self.logging):
+            problems += section.validate()
+        problems += self._cross_section_problems(world_size)
+        return problems
+
+    def _cross_section_problems(self, world_size: int | None) -> list[str]:
+        problems = []
+        model, par, train = self.model, self.parallel, self.train
+        tp, pp = par.tensor, par.pipeline
+        if pp >= 1 and model.num_layers < pp:
+            problems.append(f"model.num_layers ({model.num_layers}) is smaller than parallel.pipeline "
+                            f"({pp}); every stage needs at least one layer")
+        if par.pipeline_boundaries is not None and sum(par.pipeline_boundaries) != model.num_layers:
+            problems.append(f"parallel.pipeline_boundaries sum to {sum(par.pipeline_boundaries)} "
+                            f"but model.num_layers is {model.num_layers}")
+        if par.sequence_parallel and tp > 1 and self.data.seq_len % tp:
+            problems.append(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tensor "
+                            f"({tp}) with sequence parallelism")
+        if self.data.seq_len > model.max_seq_len:
+            problems.append(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
+        if world_size is not None and tp >= 1 and pp >= 1:
+            if world_size % (tp * pp):
+                problems.append(f"world size {world_size} is not divisible by parallel.tensor × "
+                                f"parallel.pipeline ({tp} × {pp}); launch a multiple of {tp * pp} ranks")
+            else:
+                dp = self.data_parallel_size(world_size)
+                per_step = train.micro_batch_size * dp
+                if train.micro_batch_size >= 1 and train.global_batch_size % per_step:
+                    problems.append(
+                        f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+                        f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × {dp} "
+                        f"= {per_step}); try train.global_batch_size: "
+                        f"{max(per_step, round(train.global_batch_size / per_step) * per_step)}")
+        return problems
+
+    def check(self, world_size: int | None = None) -> "Config":
+        """Raise a ``ConfigError`` listing every problem; return self when there are none."""
+        problems = self.validate(world_size)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    # --- persistence --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the resolved config atomically (temporary name, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(self.to_yaml(), encoding="utf-8")
+        os.replace(temporary, path)
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+def _expand_model_preset(data: dict, problems: list[str]) -> dict:
+    """``model: {preset: 130m, norm_scheme: lns}`` -> the preset's shape with the given keys on top."""
+    model = data.get("model")
+    if not isinstance(model, dict) or "preset" not in model:
+        return data
+    from lnstrain.config.loader import suggest
+    from lnstrain.model.presets import MODEL_PRESETS
+
+    model = dict(model)
+    name = model.pop("preset")
+    if name not in MODEL_PRESETS:
+        problems.append(f"model.preset: unknown preset {name!r}{suggest(str(name), MODEL_PRESETS)}; "
+                        f"known: {', '.join(MODEL_PRESETS)}")
+        return {**data, "model": model}
+    return {**data, "model": {**to_dict(MODEL_PRESETS[name]), **model}}
+
+
+def config_from_dict(data: dict, source: str = "config") -> Config:
+    """Type a raw config mapping; raises ``ConfigError`` listing every typing problem."""
+    problems: list[str] = []
+    data = _expand_model_preset(data, problems)
+    config, typing_problems = from_dict(Config, data)
+    problems += typing_problems
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_size: int | None = None,
+                validate: bool = True) -> Config:
+    """Load a YAML run description with ``--set``-style overrides, and check it completely."""
+    data = apply_overrides(load_yaml_with_bases(path), overrides)
+    config = config_from_dict(data, source=str(path))
+    if validate:
+        problems = config.validate(world_size)
+        if problems:
+            raise ConfigError(problems, str(path))
+    return config

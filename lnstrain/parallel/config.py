@@ -1,0 +1,53 @@
+"""How a run is split across devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout. The data-parallel size follows from the world size: world / (tensor × pipeline).
+
+    Attributes:
+        tensor: Megatron tensor-parallel size (attention heads and MLP split across ranks).
+        pipeline: pipeline-parallel stages (DeepSpeed ``PipelineModule``).
+        sequence_parallel: shard norms and dropout along the sequence inside the tensor group.
+        zero_stage: DeepSpeed ZeRO stage 0–3 over the data-parallel group (at most 1 with pipelines).
+        pipeline_partition: how layers are split into stages: ``parameters`` (balance parameter
+            counts), ``uniform`` (balance layer counts) or ``type:REGEX`` (balance layers whose class
+            name matches).
+        pipeline_boundaries: explicit stage boundaries as transformer-layer counts per stage, e.g.
+            ``[2, 4]`` puts layers 1–2 on stage 0 and 3–6 on stage 1; overrides ``pipeline_partition``.
+    """
+
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    pipeline_partition: str = "parameters"
+    pipeline_boundaries: list[int] | None = None
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.tensor < 1:
+            problems.append(f"parallel.tensor must be >= 1 (got {self.tensor})")
+        if self.pipeline < 1:
+            problems.append(f"parallel.pipeline must be >= 1 (got {self.pipeline})")
+        if self.pipeline > 1 and self.zero_stage > 1:
+            problems.append(f"parallel.zero_stage {self.zero_stage} cannot be combined with pipeline "
+                            f"parallelism (DeepSpeed supports ZeRO-0/1 with pipelines); set "
+                            f"parallel.zero_stage: 1 or parallel.pipeline: 1")
+        if self.sequence_parallel and self.tensor == 1:
+            problems.append("parallel.sequence_parallel needs parallel.tensor > 1")
+        if self.pipeline_partition not in ("parameters", "uniform") and not self.pipeline_partition.startswith("type:"):
+            problems.append(f"parallel.pipeline_partition must be 'parameters', 'uniform' or "
+                            f"'type:REGEX' (got {self.pipeline_partition!r})")
+        if self.pipeline_boundaries is not None:
+            if len(self.pipeline_boundaries) != self.pipeline:
+                problems.append(f"parallel.pipeline_boundaries has {len(self.pipeline_boundaries)} entries "
+                                f"but parallel.pipeline is {self.pipeline}; give one layer count per stage")
+            if any(n < 1 for n in self.pipeline_boundaries):
+                problems.append("parallel.pipeline_boundaries: every stage needs at least one layer")
+        return problems

@@ -1,0 +1,137 @@
+"""Optimizer, schedule, precision, and the shape and length of training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    Attributes:
+        name: ``adam`` (the LNS paper's choice, no weight decay) or ``adamw`` (decoupled decay).
+        lr: peak learning rate, reached at the end of warmup.
+        min_lr_ratio: the schedule decays to ``lr * min_lr_ratio``.
+        weight_decay: applied to matrices only (never to norms, gains or biases); must be 0 for ``adam``.
+        beta1, beta2, eps: Adam moments.
+        grad_clip: global gradient-norm clipping threshold; 0 disables clipping.
+        warmup_steps: linear warmup length in steps; when unset, ``warmup_fraction`` of the run.
+        warmup_fraction: warmup as a fraction of total steps (the paper uses 0.1).
+        decay: shape after warmup: ``cosine``, ``linear`` or ``constant``.
+    """
+
+    name: Literal["adam", "adamw"] = "adamw"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int | None = None
+    warmup_fraction: float = 0.1
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.lr > 0:
+            problems.append(f"optim.lr must be > 0 (got {self.lr})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"optim.min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.weight_decay < 0:
+            problems.append(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        if self.name == "adam" and self.weight_decay > 0:
+            problems.append("optim.weight_decay > 0 with optim.name: adam couples decay to the "
+                            "gradient; use optim.name: adamw for decoupled weight decay")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                problems.append(f"optim.{key} must be in [0, 1) (got {getattr(self, key)})")
+        if self.grad_clip < 0:
+            problems.append(f"optim.grad_clip must be >= 0 (got {self.grad_clip})")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            problems.append(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if not 0 <= self.warmup_fraction < 1:
+            problems.append(f"optim.warmup_fraction must be in [0, 1) (got {self.warmup_fraction})")
+        return problems
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision.
+
+    Attributes:
+        dtype: ``bf16`` (fp32 master weights), ``fp16`` (dynamic loss scaling) or ``fp32``.
+        fp32_grad_accum: with bf16, accumulate gradients across micro-batches in fp32.
+        initial_loss_scale_power: fp16 only: the first loss scale is 2**this.
+        loss_scale_window: fp16 only: steps without overflow before the scale doubles.
+        hysteresis: fp16 only: overflows tolerated before the scale halves.
+        min_loss_scale: fp16 only: the scale never drops below this.
+    """
+
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    fp32_grad_accum: bool = True
+    initial_loss_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not 0 <= self.initial_loss_scale_power <= 40:
+            problems.append(f"precision.initial_loss_scale_power must be in [0, 40] "
+                            f"(got {self.initial_loss_scale_power})")
+        if self.loss_scale_window < 1:
+            problems.append(f"precision.loss_scale_window must be >= 1 (got {self.loss_scale_window})")
+        return problems
+
+
+@dataclass
+class TrainConfig:
+    """Batch shape, length of the run and evaluation.
+
+    Attributes:
+        global_batch_size: sequences per optimizer step over all data-parallel ranks.
+        micro_batch_size: sequences per forward pass on one rank; gradient accumulation makes up
+            the rest (global = micro × accumulation × data-parallel size).
+        steps: length of the run in optimizer steps; exactly one of ``steps`` and ``tokens``.
+        tokens: length of the run in training tokens (rounded up to whole steps).
+        seed: seeds weights, data order and dropout.
+        eval_interval: evaluate on held-out data every this many steps (and at the end); 0: only at the end.
+        eval_batches: global batches per evaluation.
+        activation_checkpointing: ``none``, ``full`` (recompute each layer) or ``selective``
+            (recompute attention only).
+        compile: wrap each transformer layer in ``torch.compile``.
+        max_wallclock_minutes: save and exit cleanly once the run has used this long.
+    """
+
+    global_batch_size: int = 512
+    micro_batch_size: int = 8
+    steps: int | None = None
+    tokens: int | None = None
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_batches: int = 10
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    max_wallclock_minutes: float | None = None
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.global_batch_size < 1:
+            problems.append(f"train.global_batch_size must be >= 1 (got {self.global_batch_size})")
+        if self.micro_batch_size < 1:
+            problems.append(f"train.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
+        if (self.steps is None) == (self.tokens is None):
+            problems.append("give exactly one of train.steps and train.tokens "
+                            f"(got steps={self.steps}, tokens={self.tokens})")
+        for key in ("steps", "tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                problems.append(f"train.{key} must be >= 1 (got {value})")
+        if self.eval_interval < 0 or self.eval_batches < 0:
+            problems.append("train.eval_interval and train.eval_batches must be >= 0")
+        if self.max_wallclock_minutes is not None and self.max_wallclock_minutes <= 0:
+            problems.append(f"train.max_wallclock_minutes must be > 0 (got {self.max_wallclock_minutes})")
+        return problems
