@@ -1,0 +1,168 @@
+"""Streaming readers for raw corpora: ``.jsonl``/``.json``/``.txt``, optionally ``.gz`` or ``.zst`` compressed.
+
+Everything streams record by record, so memory stays constant whatever the file size. Records are
+returned as raw ``bytes``: decoding (UTF-8, JSON) happens where the work is parallel (the workers).
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from typing import IO, Iterator
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".text")
+TXT_MODES = ("line", "blank_line", "file")
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Expand files and glob patterns (in the order given, each glob sorted); error on no match."""
+    files: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"input pattern {pattern!r} matches no file")
+        for path in matches:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"input file not found: {path}")
+            files.append(path)
+    return files
+
+
+def split_compression(path: str) -> tuple[str, str]:
+    """``("corpus.jsonl", ".zst")`` for ``corpus.jsonl.zst``; compression is "" when uncompressed."""
+    for ext in (".gz", ".zst"):
+        if path.endswith(ext):
+            return path[: -len(ext)], ext
+    return path, ""
+
+
+def file_format(path: str) -> str:
+    """``"jsonl"`` or ``"txt"`` from the name; a clear error for anything else."""
+    base, _ = split_compression(path)
+    if base.endswith(JSON_SUFFIXES):
+        return "jsonl"
+    if base.endswith(TEXT_SUFFIXES):
+        return "txt"
+    raise ValueError(f"{path}: unknown input format; expected .jsonl/.json/.txt, optionally with .gz or .zst")
+
+
+def open_binary(path: str) -> IO[bytes]:
+    """Open a possibly compressed file for streaming binary reads."""
+    _, comp = split_compression(path)
+    if comp == ".gz":
+        return gzip.open(path, "rb")
+    if comp == ".zst":
+        try:
+            import zstandard
+        except ImportError as e:
+            raise ImportError(f"{path}: reading .zst files needs the optional 'zstandard' package "
+                              "(pip install zstandard)") from e
+        raw = open(path, "rb")
+        reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader, 1 << 20)
+    return open(path, "rb", buffering=1 << 20)
+
+
+def iter_records(path: str, txt_mode: str = "line") -> Iterator[bytes]:
+    """Raw records of one file: JSON lines, or text lines / blank-line paragraphs / the whole file."""
+    fmt = file_format(path)
+    if txt_mode not in TXT_MODES:
+        raise ValueError(f"txt_mode must be one of {TXT_MODES} (got {txt_mode!r})")
+    with open_binary(path) as f:
+        if fmt == "jsonl" or txt_mode == "line":
+            for line in f:
+                if line.strip():
+                    yield line
+        elif txt_mode == "file":
+            data = f.read()
+            if data.strip():
+                yield data
+        else:
+            para: list[bytes] = []
+            for line in f:
+                if line.strip():
+                    para.append(line)
+                elif para:
+                    yield b"".join(para)
+                    para = []
+            if para:
+                yield b"".join(para)
+
+
+@dataclass
+class SkipCounts:
+    """Records skipped for each reason, with the first few examples for the report."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, reason: str, example: str = "", n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+        if example and reason not in self.examples:
+            self.examples[reason] = example
+
+    def merge(self, other: "SkipCounts") -> None:
+        for reason, n in other.counts.items():
+            self.add(reason, other.examples.get(reason, ""), n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self) -> str:
+        if not self.counts:
+            return "nothing skipped"
+        return "; ".join(f"{n} {reason}" + (f" (e.g. {self.examples[reason]})" if reason in self.examples else "")
+                         for reason, n in sorted(self.counts.items()))
+
+
+def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, where: str = "") -> list[str | None]:
+    """Decode one record into one text per key (None where that key is skipped; the reason is counted)."""
+    try:
+        text = record.decode("utf-8")
+    except UnicodeDecodeError as e:
+        skips.add("invalid UTF-8", f"{where}: {e.reason} at byte {e.start}", len(keys))
+        return [None] * len(keys)
+    if fmt == "txt":
+        return [text.strip("\n")] * len(keys)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        skips.add("invalid JSON", f"{where}: {e.msg}", len(keys))
+        return [None] * len(keys)
+    if not isinstance(obj, dict):
+        skips.add("JSON record not an object", where, len(keys))
+        return [None] * len(keys)
+    out: list[str | None] = []
+    for key in keys:
+        value = obj.get(key)
+        if not isinstance(value, str):
+            reason = f"missing JSON key {key!r}" if value is None else f"JSON key {key!r} not a string"
+            skips.add(reason, f"{where}: keys present: {sorted(obj)[:8]}")
+            out.append(None)
+        elif not value.strip():
+            skips.add("empty document", where)
+            out.append(None)
+        else:
+            out.append(value)
+    return out
+
+
+def iter_documents(paths: list[str], key: str = "text", txt_mode: str = "line",
+                   skips: SkipCounts | None = None) -> Iterator[str]:
+    """Texts of every usable document in ``paths`` (sequentially, streaming); skips are counted in ``skips``."""
+    skips = skips if skips is not None else SkipCounts()
+    for path in paths:
+        fmt = file_format(path)
+        empty = True
+        for i, record in enumerate(iter_records(path, txt_mode)):
+            empty = False
+            text = record_texts(record, fmt, [key], skips, f"{path} record {i + 1}")[0]
+            if text is not None:
+                yield text
+        if empty:
+            skips.add("empty file", path)

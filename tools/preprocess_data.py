@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Tokenize a raw corpus into Megatron-format token files (<prefix>.bin + <prefix>.idx).
+
+    python tools/preprocess_data.py --input corpus/*.jsonl.zst --tokenizer tok/spm.model \\
+        --output-prefix data/c4_train --workers 16
+
+Inputs: files or globs of .jsonl/.json/.txt, optionally .gz or .zst (needs `pip install zstandard`).
+One document per JSON record (or per text line, see --txt-mode); EOS appended to each document.
+Streams with constant memory; outputs are written under a temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lnstrain.data.corpus_readers import TXT_MODES, expand_inputs  # noqa: E402
+from lnstrain.data.preprocess import PreprocessConfig, PreprocessStats, preprocess  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="input files or glob patterns")
+    p.add_argument("--tokenizer", required=True, help="sentencepiece .model")
+    p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
+    p.add_argument("--json-keys", "--json-key", nargs="+", default=["text"],
+                   help="JSON key(s) holding the text; with several keys, one output <prefix>_<key> per key")
+    p.add_argument("--txt-mode", choices=TXT_MODES, default="line",
+                   help="what a document is in .txt files: a line, a blank-line-separated block, or the file")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    p.add_argument("--no-append-eos", dest="append_eos", action="store_false", help="do not append EOS")
+    p.add_argument("--prepend-bos", action="store_true", help="prepend BOS to each document")
+    p.add_argument("--batch-mb", type=float, default=1.0, help="raw MB per worker task")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    return p.parse_args(argv)
+
+
+def show_progress(stats: PreprocessStats) -> None:
+    print(f"\r{stats.seconds:7.0f}s  {stats.rates()}   ", end="", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = PreprocessConfig(inputs=expand_inputs(args.input), tokenizer=args.tokenizer,
+                               output_prefix=args.output_prefix, json_keys=args.json_keys, txt_mode=args.txt_mode,
+                               workers=args.workers, append_eos=args.append_eos, prepend_bos=args.prepend_bos,
+                               batch_bytes=int(args.batch_mb * (1 << 20)))
+        print(f"preprocess_data: {len(cfg.inputs)} file(s) -> {cfg.output_prefix} with {cfg.workers} worker(s)",
+              file=sys.stderr, flush=True)
+        stats = preprocess(cfg, None if args.quiet else show_progress)
+    except KeyboardInterrupt:
+        print("\npreprocess_data: interrupted; no output written", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, ImportError) as e:
+        print(f"\npreprocess_data: error: {e}\nno output written", file=sys.stderr)
+        return 1
+    print(("\n" if not args.quiet else "") + f"done in {stats.seconds:.1f}s: {stats.files} file(s), {stats.rates()}",
+          file=sys.stderr)
+    print(f"skipped: {stats.skips.report()}", file=sys.stderr)
+    for prefix in stats.outputs:
+        print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
