@@ -1,0 +1,68 @@
+"""RMSNorm and LayerNorm with a constant output multiplier folded into the gain.
+
+y = normalize(x) * (weight * output_scale) (+ bias * output_scale): the multiplier costs an
+O(hidden) op on the weight, nothing per activation. `output_scale` is a plain float
+attribute (LNS uses it), never a parameter or buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lnstrain.model.config import ModelConfig
+
+try:
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+except ImportError:  # apex is optional
+    fused_rms_norm_affine = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.output_scale = float(output_scale)
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = self.weight * self.output_scale if self.output_scale != 1.0 else self.weight
+        if fused_rms_norm_affine is not None and x.is_cuda:
+            return fused_rms_norm_affine(x, gain, self.weight.shape, self.eps)
+        x32 = x.float()
+        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normalized.type_as(x) * gain
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.output_scale = float(output_scale)
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.output_scale != 1.0:
+            weight, bias = weight * self.output_scale, bias * self.output_scale
+        return F.layer_norm(x, self.weight.shape, weight, bias, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
+
+
+def build_norm(cfg: ModelConfig, output_scale: float = 1.0) -> RMSNorm | LayerNorm:
+    norm_class = RMSNorm if cfg.norm_type == "rmsnorm" else LayerNorm
+    return norm_class(cfg.hidden_size, cfg.norm_eps, output_scale)

@@ -1,0 +1,105 @@
+"""The LLaMA-family decoder: embedding -> layers -> final norm -> output head.
+
+Each stage is a module of its own, passing plain tensors, so that a pipeline can place
+them on different ranks. Hidden states are [batch, seq, hidden] (seq sharded under
+sequence parallelism); logits are [batch, seq, padded_vocab / tp].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lnstrain.model.block import TransformerBlock
+from lnstrain.model.config import ModelConfig
+from lnstrain.model.init import init_weights
+from lnstrain.model.norm_schemes import has_final_norm
+from lnstrain.model.norms import build_norm
+from lnstrain.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, VocabParallelEmbedding, vocab_parallel_logits
+from lnstrain.parallel.sequence_parallel import mark_sequence_parallel
+
+if TYPE_CHECKING:
+    from lnstrain.parallel.groups import ParallelGroups
+
+
+class EmbeddingStage(nn.Module):
+    """tokens [batch, seq] -> hidden states."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.init_prefix = "embedding"
+        self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size(groups.tp_size), cfg.hidden_size, groups)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        init_weights(self, cfg)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.word_embeddings(tokens))
+
+
+class OutputStage(nn.Module):
+    """hidden states -> final norm -> this rank's vocabulary logits.
+
+    With tied embeddings the stage owns no head: pass the embedding's weight to forward.
+    Post-LN and DeepNorm blocks end in a norm, so their final norm is the identity.
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.init_prefix = "output"
+        self.groups = groups
+        self.final_norm = build_norm(cfg) if has_final_norm(cfg.norm_scheme) else nn.Identity()
+        mark_sequence_parallel(self.final_norm, groups)
+        padded = cfg.padded_vocab_size(groups.tp_size)
+        self.head = None if cfg.tie_embeddings else ColumnParallelLinear(
+            cfg.hidden_size, [OutputPart("vocab", padded, padded)], groups)
+        init_weights(self, cfg)
+
+    def forward(self, hidden: torch.Tensor, tied_embedding_weight: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.final_norm(hidden)
+        if self.head is not None:
+            return self.head(hidden)
+        if tied_embedding_weight is None:
+            raise ValueError("tied embeddings: OutputStage.forward needs the embedding weight")
+        return vocab_parallel_logits(hidden, tied_embedding_weight, self.groups)
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, cfg: ModelConfig, groups: ParallelGroups,
+                        loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32 scalar) over the tokens where loss_mask is nonzero.
+
+    logits: [batch, seq, padded_vocab / tp] from OutputStage; labels: [batch, seq].
+    """
+    per_token = vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size)
+    return masked_mean(per_token, loss_mask)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        problems = cfg.validate(groups.tp_size)
+        if problems:
+            raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
+        self.cfg = cfg
+        self.groups = groups
+        self.embedding = EmbeddingStage(cfg, groups)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, number, groups) for number in range(1, cfg.num_layers + 1))
+        self.output = OutputStage(cfg, groups)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, padded_vocab / tp]."""
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        tied = self.embedding.word_embeddings.weight if self.cfg.tie_embeddings else None
+        return self.output(hidden, tied)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy of predicting labels[b, t] from tokens[b, :t+1]."""
+        return language_model_loss(self(tokens), labels, self.cfg, self.groups, loss_mask)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        for layer in self.layers:
+            layer.checkpoint_activations = enabled

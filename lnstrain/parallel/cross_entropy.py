@@ -1,0 +1,77 @@
+"""Cross-entropy over vocabulary-sharded logits, without gathering the full logits.
+
+Each rank holds logits for a contiguous vocabulary range. Three all-reduces over the
+tensor-parallel group (max, target logit, sum of exponentials) give the exact loss; the
+gradient, softmax - one_hot, is computed locally. Vocabulary entries past the true
+vocabulary (padding) are excluded: their probability is exactly 0.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lnstrain.parallel.groups import ParallelGroups
+
+
+def _all_reduce(x: torch.Tensor, groups: ParallelGroups, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    if groups.tp_size > 1:
+        dist.all_reduce(x, op=op, group=groups.tp_group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups, vocab_size: int):
+        local_vocab = logits.shape[-1]
+        vocab_start = groups.tp_rank * local_vocab
+        logits = logits.float()
+        padded_columns = vocab_start + torch.arange(local_vocab, device=logits.device) >= vocab_size
+        if padded_columns.any():
+            logits = logits.masked_fill(padded_columns, float("-inf"))
+
+        logits_max = _all_reduce(logits.max(dim=-1).values, groups, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_labels = labels - vocab_start
+        not_here = (local_labels < 0) | (local_labels >= local_vocab)
+        local_labels = local_labels.masked_fill(not_here, 0)
+        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(target_logit.masked_fill(not_here, 0.0), groups)
+
+        exp_shifted = shifted.exp()
+        sum_exp = _all_reduce(exp_shifted.sum(dim=-1), groups)
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp_shifted.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, not_here)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_labels, not_here = ctx.saved_tensors
+        grad = softmax
+        target_here = (~not_here).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -target_here)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token loss [batch, seq] (fp32) from this rank's logits [batch, seq, local_vocab].
+
+    `vocab_size` is the true vocabulary: logits of padded entries beyond it are ignored.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, labels, groups, vocab_size)
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the tokens where loss_mask is nonzero (all tokens when None)."""
+    if loss_mask is None:
+        return per_token_loss.mean()
+    loss_mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
