@@ -1,0 +1,74 @@
+"""The collectives one transformer layer issues, against Megatron's numbers.
+
+Without sequence parallelism: 2 all-reduces forward (attention and MLP outputs) and 2
+backward (their inputs' gradients). With it: 2 all-gathers + 2 reduce-scatters forward,
+and the mirror backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lnstrain.model import TransformerBlock, model_preset
+from lnstrain.parallel import mappings
+from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.testing.distributed import run_distributed
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "all_to_all")
+
+
+def count_collectives(counts: Counter) -> None:
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(dist, name, counting)
+
+
+def collective_worker(rank, world_size):
+    counts = Counter()
+    count_collectives(counts)
+    results = {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(tensor=2, pipeline=1, sequence_parallel=sp)
+        block = TransformerBlock(model_preset("tiny", norm_scheme="lns", num_kv_heads=2), 3, groups)
+        seq = 16 // 2 if sp else 16
+        x = torch.randn(2, seq, 32, requires_grad=True)
+        counts.clear()
+        out = block(x)
+        forward = dict(counts)
+        counts.clear()
+        out.sum().backward()
+        results[sp] = (forward, dict(counts))
+
+    # the mappings' round trips
+    groups = ParallelGroups.build(tensor=2, pipeline=1, sequence_parallel=True)
+    full = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)
+    shard = mappings.scatter_to_tp(full, groups)
+    assert torch.equal(shard, full[..., rank * 3:(rank + 1) * 3])
+    assert torch.equal(mappings.gather_from_tp(shard, groups), full)
+    shard = mappings.scatter_to_sequence_parallel(full, groups)
+    assert torch.equal(shard, full[:, rank * 2:(rank + 1) * 2])
+    assert torch.equal(mappings.gather_from_sequence_parallel(shard, groups), full)
+    summed = mappings.reduce_scatter_to_sequence_parallel(full * (rank + 1), groups)
+    assert torch.equal(summed, 3 * full[:, rank * 2:(rank + 1) * 2])
+    assert torch.equal(mappings.reduce_from_tp(full.clone() * (rank + 1), groups), 3 * full)
+    return results
+
+
+@pytest.mark.multirank
+def test_collectives_per_layer_match_megatron():
+    for rank_results in run_distributed(collective_worker, 2, timeout_s=120):
+        forward, backward = rank_results[False]
+        assert forward == {"all_reduce": 2}
+        assert backward == {"all_reduce": 2}
+        forward, backward = rank_results[True]
+        assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+        assert backward == {"reduce_scatter_tensor": 2, "all_gather_into_tensor": 2}
