@@ -1,0 +1,86 @@
+"""The --dry-run report: contents, the data-file exemption, and every shipped config."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lnstrain.config.loader import ConfigError
+from lnstrain.config.run_config import load_config
+from lnstrain.estimate import dry_run_report, dry_run_summary
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+SHIPPED = sorted(CONFIGS.glob("*.yaml"))
+#: a realistic GPU count per shipped config: one 8-GPU node, 2 nodes for 7B (tensor 2 × pipeline 2)
+WORLD_SIZE = {"7b": 16}
+
+
+def world_size_for(path: Path) -> int:
+    return WORLD_SIZE.get(path.stem.split("_")[0], 8)
+
+
+def test_7b_report_mentions_every_item_and_is_fast():
+    start = time.perf_counter()
+    config = load_config(CONFIGS / "7b_lns.yaml", validate=False)
+    text = dry_run_report(config, world_size=16)
+    assert time.perf_counter() - start < 10
+    for item in ("6,738,415,616", "non-embedding", "meta model", "FLOPs per token", "6·N + 12·L·h·s",
+                 "6·N + 6·L·h·s", "tokens per step: 131,072", "total steps:     20,000", "total tokens",
+                 "weights:", "gradients:", "optimizer:", "ZeRO stage 1", "checkpointing none",
+                 "checkpointing full", "Korthikanti", "tensor 2 × pipeline 2 × data 4",
+                 '"train_batch_size": 512', '"gradient_accumulation_steps": 32'):
+        assert item in text, item
+
+
+def test_missing_data_is_a_note_but_config_problems_fail():
+    config = load_config(CONFIGS / "130m_lns.yaml", validate=False)
+    summary = dry_run_summary(config, 8)
+    assert any("data/c4_train_text_document.bin" in note for note in summary["notes"])
+    json.dumps(summary)  # JSON-able for other tools
+    bad = load_config(CONFIGS / "7b_lns.yaml", ["parallel.tensor=3"], validate=False)
+    with pytest.raises(ConfigError) as error:
+        dry_run_summary(bad, 16)
+    assert "model.num_heads (32) must be divisible by parallel.tensor (3)" in str(error.value)
+    assert "world size 16 is not divisible by parallel.tensor × parallel.pipeline (3 × 2)" in str(error.value)
+
+
+def test_data_file_wording_still_matches_the_data_config():
+    """validation.py recognises DataConfig's file problems by their wording: pin it."""
+    config = load_config(CONFIGS / "130m_lns.yaml", ["data.tokenizer=absent.model"], validate=False)
+    problems = config.validate(8)
+    assert any(p.startswith("data.sources[0].prefix: missing ") for p in problems)
+    assert any(p.startswith("data.tokenizer: file not found") for p in problems)
+    assert len(dry_run_summary(config, 8)["notes"]) == 2
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_config_passes_the_dry_run(path):
+    config = load_config(path, validate=False)
+    assert config.run.name == path.stem
+    summary = dry_run_summary(config, world_size_for(path))
+    assert summary["memory_per_rank"]["total_bytes"] < 70 * 2**30  # fits an 80 GB GPU with a margin
+
+
+def test_recipe_composition():
+    lns, pre_ln = (load_config(CONFIGS / f"130m_{s}.yaml", validate=False) for s in ("lns", "pre_ln"))
+    assert lns.model.norm_scheme.value == "lns" and pre_ln.model.norm_scheme.value == "pre_ln"
+    assert lns.replace(model=pre_ln.model, run=pre_ln.run) == pre_ln  # the scheme is the only difference
+    assert (lns.data.seq_len, lns.train.global_batch_size, lns.optim.name) == (256, 512, "adam")
+    assert (lns.total_steps, lns.warmup_steps, lns.optim.lr, lns.optim.min_lr_ratio) == (20000, 2000, 1e-3, 0.1)
+    one_b = load_config(CONFIGS / "1b_lns.yaml", validate=False)
+    assert (one_b.total_steps, one_b.warmup_steps, one_b.optim.lr) == (100000, 1000, 5e-4)
+    assert not lns.model.scaled_init
+
+
+@pytest.mark.skipif(not (REPO / "launch" / "pretrain.py").is_file(), reason="launch/pretrain.py not written yet")
+def test_pretrain_dry_run_command():
+    result = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/130m_lns.yaml",
+                             "--dry-run", "--world-size", "8"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "Memory per rank" in result.stdout and "FLOPs per token" in result.stdout
