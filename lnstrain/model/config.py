@@ -123,6 +123,10 @@ class ModelConfig:
         if self.ffn_hidden_size % tp:
             problems.append(f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
                             f"parallel.tensor ({tp})")
+        for key in ("attention_dropout", "hidden_dropout"):
+            if getattr(self, key) > 0:
+                problems.append(f"model.{key} ({getattr(self, key)}) must be 0 with parallel.tensor > 1: "
+                                "tensor-parallel dropout needs an RNG tracker, which lnstrain lacks")
         return problems
 
     def num_parameters(self, include_embeddings: bool = True, tensor_parallel: int | None = None) -> int:

@@ -26,6 +26,7 @@ def test_validate_checks_tensor_parallel_divisibility():
     assert any(p.startswith("model.num_kv_heads (8)") for p in problems)
     assert any(p.startswith("model.ffn_hidden_size (5461)") for p in problems)
     assert ModelConfig(num_kv_heads=2).validate(tensor_parallel=8) == []  # KV heads replicated
+    assert any(p.startswith("model.hidden_dropout") for p in ModelConfig(hidden_dropout=0.1).validate(2))
 
 
 def test_norm_scheme_from_string_and_unknown_reported():
