@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -46,7 +47,9 @@ def _rank_main(fn: RankFunction, rank: int, world_size: int, port: int, args: tu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data into the bytes; the queue's own pickler would share it
+        # through memory that disappears when this process exits.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report anything, including SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -88,7 +91,7 @@ def run_distributed(fn: RankFunction, world_size: int, *args: Any, timeout_s: fl
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for process in processes:
             process.join(timeout=10 if len(values) == world_size else 0.1)

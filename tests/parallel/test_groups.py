@@ -57,3 +57,15 @@ def _failing_worker(rank, world_size):
 def test_run_distributed_reports_the_failing_rank():
     with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on purpose"):
         run_distributed(_failing_worker, 2, timeout_s=60)
+
+
+def _tensor_worker(rank, world_size):
+    import torch
+
+    return {"rank": rank, "weights": torch.full((3,), float(rank))}
+
+
+@pytest.mark.multirank
+def test_run_distributed_returns_tensors():
+    results = run_distributed(_tensor_worker, 2, timeout_s=60)
+    assert [r["weights"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

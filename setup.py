@@ -1,0 +1,40 @@
+"""lnstrain: distributed LLaMA pretraining with LayerNorm Scaling on PyTorch and DeepSpeed."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "lnstrain" / "__init__.py").read_text()).group(1)
+
+EXTRAS = {
+    # Reading .jsonl.zst corpora.
+    "zstd": ["zstandard>=0.21"],
+    # PNG plots in depth-analysis and scaling-study reports.
+    "plots": ["matplotlib>=3.7"],
+    # Hugging Face export/import (safetensors shards) and the transformers baseline benchmark.
+    "hf": ["safetensors>=0.4", "transformers>=4.40"],
+    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7"],
+}
+EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+setup(
+    name="lnstrain",
+    version=VERSION,
+    description="Megatron-style distributed pretraining of LLaMA-family models with LayerNorm Scaling",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lnstrain", "lnstrain.*"]),
+    install_requires=[
+        "torch>=2.3",
+        "deepspeed>=0.14",
+        "sentencepiece>=0.1.99",
+        "numpy>=1.24",
+        "tensorboard>=2.12",
+        "pyyaml>=6.0",
+    ],
+    extras_require=EXTRAS,
+    license="Apache-2.0",
+)
