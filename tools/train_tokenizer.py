@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false",
                    help="disable byte fallback (unknown characters then map to <unk>)")
     p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--normalization", choices=["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"],
+                   default="identity", help="text normalization; identity (as LLaMA) keeps newlines and spacing")
     p.add_argument("--unk-id", type=int, default=0)
     p.add_argument("--bos-id", type=int, default=1, help="-1 for none")
     p.add_argument("--eos-id", type=int, default=2, help="-1 for none")
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             model_type=args.model_type, json_key=args.json_key, txt_mode=args.txt_mode,
             max_sentences=args.max_sentences, max_sentence_chars=args.max_sentence_chars,
             max_read_mb=args.max_read_mb, byte_fallback=args.byte_fallback,
-            character_coverage=args.character_coverage, unk_id=args.unk_id, bos_id=args.bos_id,
+            character_coverage=args.character_coverage,
+            normalization=args.normalization, unk_id=args.unk_id, bos_id=args.bos_id,
             eos_id=args.eos_id, pad_id=args.pad_id, user_defined_symbols=args.user_defined_symbols,
             seed=args.seed, num_threads=args.threads)
         print(f"train_tokenizer: {len(paths)} input file(s), {args.model_type} vocab {args.vocab_size}", flush=True)

@@ -9,10 +9,12 @@ same whether the run was interrupted or not, and whatever the data-parallel size
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +24,8 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
 
     Inputs are ``tokens[:, :-1]``, labels ``tokens[:, 1:]``; ``loss_mask`` weights each label.
     """
+    import torch  # here, so that the preprocessing tools and their workers never pay for importing torch
+
     return {"tokens": torch.from_numpy(np.stack([s["tokens"] for s in samples])),
             "loss_mask": torch.from_numpy(np.stack([s["loss_mask"] for s in samples]))}
 

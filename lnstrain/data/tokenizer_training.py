@@ -30,6 +30,7 @@ class TokenizerTrainingConfig:
     max_read_mb: float = 0.0
     byte_fallback: bool = True
     character_coverage: float = 0.9995
+    normalization: str = "identity"
     unk_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -109,8 +110,12 @@ def train_tokenizer(cfg: TokenizerTrainingConfig, paths: list[str]) -> Tokenizer
             eos_id=cfg.eos_id, pad_id=cfg.pad_id, user_defined_symbols=cfg.user_defined_symbols,
             input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=cfg.max_sentence_chars * 4,
             num_threads=cfg.num_threads or os.cpu_count() or 1, split_digits=True,
-            allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, minloglevel=2)
+            allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+            normalization_rule_name=cfg.normalization, minloglevel=2)
     except RuntimeError as e:
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp_prefix + ext):
+                os.remove(tmp_prefix + ext)
         raise ValueError(f"sentencepiece training failed: {e}") from e
     for ext in (".model", ".vocab"):
         os.replace(tmp_prefix + ext, cfg.output_prefix + ext)
