@@ -1,0 +1,106 @@
+"""One model's depth analysis: variance, angular distance, layer pruning and their summary.
+
+`analyze_model` runs everything on a single-process model and returns a `DepthAnalysis`, a plain
+record that `report.py` writes as JSON, CSV, Markdown and plots (and reads back for `--compare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lnstrain.analysis.angular import AngularDistanceAccumulator, distance_by_offset
+from lnstrain.analysis.pruning import EvalResult, LayerPruning, MultipleChoiceItem, layer_pruning
+from lnstrain.analysis.representations import Batch, iterate_residual_streams
+from lnstrain.analysis.variance import VarianceAccumulator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NEAR_IDENTITY_THRESHOLD = 0.01
+
+
+@dataclass
+class DepthSummary:
+    near_identity_threshold: float
+    """A layer is near-identity when skipping it raises the validation loss by less than this (nats)."""
+    near_identity_layers: list[int]
+    deep_half_share: float
+    """Share of the total ΔP (loss increases, negatives counted as 0) carried by the deepest
+    floor(L / 2) layers; 0.5 would be an even spread, near 0 the Curse of Depth."""
+
+    @property
+    def num_near_identity(self) -> int:
+        return len(self.near_identity_layers)
+
+
+@dataclass
+class DepthAnalysis:
+    name: str
+    num_layers: int
+    norm_scheme: str
+    validation_tokens: int
+    output_variance: list[float]
+    """[embedding output, output of layer 1, ..., layer L]."""
+    angular_distance: list[list[float]]
+    """[L + 1, L + 1]: mean distance between the states entering layers i + 1 and j + 1 (L + 1: after the last)."""
+    baseline: EvalResult
+    pruning: list[LayerPruning]
+    summary: DepthSummary
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def distance_by_offset(self) -> list[list[float | None]]:
+        import torch
+        return distance_by_offset(torch.tensor(self.angular_distance))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["summary"]["num_near_identity"] = self.summary.num_near_identity
+        data["angular_distance_by_offset"] = self.distance_by_offset()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DepthAnalysis:
+        summary = {k: v for k, v in data["summary"].items() if k != "num_near_identity"}
+        pruning = [LayerPruning(**{**p, "result": EvalResult(**p["result"])}) for p in data["pruning"]]
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in fields},
+                      "baseline": EvalResult(**data["baseline"]), "pruning": pruning,
+                      "summary": DepthSummary(**summary)})
+
+
+def summarize(pruning: Sequence[LayerPruning], threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthSummary:
+    near_identity = [p.layer for p in pruning if p.delta_loss < threshold]
+    gains = [max(p.delta_loss, 0.0) for p in pruning]
+    deep = gains[len(gains) - len(gains) // 2:]
+    total = sum(gains)
+    return DepthSummary(near_identity_threshold=threshold, near_identity_layers=near_identity,
+                        deep_half_share=sum(deep) / total if total > 0 else 0.0)
+
+
+def measure_representations(model: nn.Module, batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
+    """(output variance per state, [L + 1, L + 1] angular distances), in one pass over the batches."""
+    variance, angular = VarianceAccumulator(), AngularDistanceAccumulator()
+    for _batch, states in iterate_residual_streams(model, batches):
+        variance.update(states)
+        angular.update(states)
+    return variance.variances(), angular.matrix().tolist()
+
+
+def analyze_model(model: nn.Module, batches: Sequence[Batch], *, name: str = "model",
+                  items: Sequence[MultipleChoiceItem] = (),
+                  near_identity_threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthAnalysis:
+    """Everything the depth report shows, for a single-process `Transformer`."""
+    cfg = model.cfg
+    logger.info("%s: residual-stream variance and angular distance over %d batches", name, len(batches))
+    output_variance, angular = measure_representations(model, batches)
+    logger.info("%s: layer pruning (%d evaluations)", name, cfg.num_layers + 1)
+    baseline, pruning = layer_pruning(model, batches, items, cfg.max_seq_len)
+    return DepthAnalysis(name=name, num_layers=cfg.num_layers, norm_scheme=str(getattr(cfg.norm_scheme, "value",
+                         cfg.norm_scheme)), validation_tokens=baseline.tokens, output_variance=output_variance,
+                         angular_distance=angular, baseline=baseline, pruning=pruning,
+                         summary=summarize(pruning, near_identity_threshold))

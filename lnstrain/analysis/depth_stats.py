@@ -1,0 +1,241 @@
+"""Per-layer statistics during training, for TensorBoard: the Curse of Depth as it happens.
+
+Every `interval` steps the trainer arms the collector before the step and collects after it:
+
+    depth_stats = DepthStatsCollector(model, groups, cfg.logging.depth_stats_interval,
+                                      num_layers=cfg.model.num_layers)
+    ...
+    armed = depth_stats.wants(step)
+    if armed:
+        depth_stats.arm()
+    train_one_step(...)                      # any number of micro-batches, forward and backward
+    if armed:
+        stats = depth_stats.collect(step)    # collective: every rank calls it
+        if rank == 0:
+            write_depth_stats(writer, stats, step)
+
+Per global layer number l (tags `depth/<stat>/layer_07`):
+- residual_variance: variance of all elements of layer l's output (the residual stream);
+- grad_norm: norm of the step loss's gradient with respect to layer l's output activations
+  (all tokens of the step; the loss is the mean over data-parallel ranks and micro-batches,
+  as DeepSpeed defines it; divide out an fp16 loss scale with `collect(step, loss_scale=...)`);
+- attention_to_residual, mlp_to_residual: ||sublayer contribution|| / ||residual it is added
+  to||, both summed over tokens. The contribution is the change of the residual stream (for
+  Post-LN blocks, which are not additive, the change across the sublayer and its norm).
+
+Hooks exist only on armed steps, so other steps cost nothing. Sums stay on the device until
+`collect`, which all-reduces one [num_layers, 8] float64 tensor over the whole world: layers a
+pipeline stage lacks are zeros there, data-parallel ranks add their tokens, and tensor-parallel
+ranks add only what they own (sequence shards under sequence parallelism, else rank 0 only).
+Forward hooks that fire inside backward (activation recomputation) are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lnstrain.model.block import TransformerBlock
+from lnstrain.model.norm_schemes import Placement
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lnstrain.parallel.groups import ParallelGroups
+
+logger = logging.getLogger(__name__)
+
+STATS = ("residual_variance", "grad_norm", "attention_to_residual", "mlp_to_residual")
+TAG_PREFIX = "depth"
+PROFILE_PREFIX = "depth_profile"
+
+# Columns of the per-layer sums.
+_ELEMENTS, _SUM, _SQ_OUT, _SQ_IN, _SQ_ATTENTION, _SQ_MID, _SQ_MLP, _SQ_GRAD = range(8)
+_NUM_SUMS = 8
+
+
+def stat_tag(stat: str, layer_number: int, num_layers: int) -> str:
+    """`depth/<stat>/layer_<l>`, zero-padded so that tags sort by depth."""
+    width = max(2, len(str(num_layers)))
+    return f"{TAG_PREFIX}/{stat}/layer_{layer_number:0{width}d}"
+
+
+def layer_profiles(stats: dict[str, float]) -> dict[str, list[float]]:
+    """{stat: [value of layer 1, ..., value of layer L]} from `collect`'s tags."""
+    profiles: dict[str, dict[int, float]] = {}
+    for tag, value in stats.items():
+        prefix, stat, layer = tag.split("/")
+        if prefix == TAG_PREFIX:
+            profiles.setdefault(stat, {})[int(layer.removeprefix("layer_"))] = value
+    return {stat: [by_layer[n] for n in sorted(by_layer)] for stat, by_layer in profiles.items()}
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _sum_squares(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().pow(2).sum().double()
+
+
+class DepthStatsCollector:
+    """Collects per-layer residual-stream statistics on every `interval`-th step (0: never).
+
+    module: anything containing this rank's `TransformerBlock`s (a `Transformer`, a pipeline
+    stage, the DeepSpeed engine's module). num_layers: the model's total L; if omitted it is
+    found with one all-reduce at the first collect.
+    """
+
+    def __init__(self, module: nn.Module, groups: ParallelGroups, interval: int,
+                 num_layers: int | None = None) -> None:
+        if interval < 0:
+            raise ValueError(f"logging.depth_stats_interval must be >= 0 (got {interval})")
+        self.groups = groups
+        self.interval = interval
+        self.blocks = sorted((m for m in module.modules() if isinstance(m, TransformerBlock)),
+                             key=lambda block: block.layer_number)
+        self.num_layers = num_layers
+        if num_layers is not None and any(b.layer_number > num_layers for b in self.blocks):
+            raise ValueError(f"num_layers={num_layers} but this rank holds layer "
+                             f"{max(b.layer_number for b in self.blocks)}")
+        # Hidden states are replicated over tensor-parallel ranks unless sequence-sharded.
+        self.counts_here = groups.sequence_parallel or groups.tp_rank == 0
+        self.device = next(module.parameters()).device
+        self._handles: list[Any] = []
+        self._armed = False
+        self._sums: dict[int, torch.Tensor] = {}
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._middles: dict[int, torch.Tensor] = {}
+
+    def wants(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def arm(self) -> None:
+        """Install the hooks for the coming step (forward and backward of all its micro-batches)."""
+        if self._armed:
+            return
+        self._armed = True
+        if not self.counts_here:
+            return
+        for block in self.blocks:
+            number = block.layer_number
+            self._sums[number] = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=self.device)
+            self._handles.append(block.register_forward_pre_hook(self._block_input_hook(number)))
+            self._handles.append(block.register_forward_hook(self._block_output_hook(number)))
+            if block.layout.placement == Placement.POST:
+                self._handles.append(block.attention_norm.register_forward_hook(
+                    lambda _m, _args, out, n=number: self._middle(n, out)))
+            else:
+                self._handles.append(block.mlp_norm.register_forward_pre_hook(
+                    lambda _m, args, n=number: self._middle(n, args[0])))
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._armed = False
+        self._inputs.clear()
+        self._middles.clear()
+
+    def _block_input_hook(self, number: int):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            if not _in_backward():
+                self._inputs[number] = args[0].detach()
+        return hook
+
+    def _middle(self, number: int, middle: torch.Tensor) -> None:
+        if _in_backward() or number not in self._inputs:
+            return
+        middle = middle.detach()
+        sums = self._sums[number]
+        sums[_SQ_IN] += _sum_squares(self._inputs[number])
+        sums[_SQ_ATTENTION] += _sum_squares(middle - self._inputs.pop(number))
+        sums[_SQ_MID] += _sum_squares(middle)
+        self._middles[number] = middle
+
+    def _block_output_hook(self, number: int):
+        def hook(_module: nn.Module, _args: tuple, output: torch.Tensor) -> None:
+            if _in_backward() or number not in self._middles:
+                return
+            sums = self._sums[number]
+            out = output.detach().float()
+            sums[_ELEMENTS] += out.numel()
+            sums[_SUM] += out.sum().double()
+            sums[_SQ_OUT] += out.pow(2).sum().double()
+            sums[_SQ_MLP] += _sum_squares(output.detach() - self._middles.pop(number))
+            if output.requires_grad:
+                output.register_hook(lambda grad: self._add_grad(number, grad))
+        return hook
+
+    def _add_grad(self, number: int, grad: torch.Tensor) -> None:
+        if number in self._sums:
+            self._sums[number][_SQ_GRAD] += _sum_squares(grad)
+
+    def _global_num_layers(self, device: torch.device) -> int:
+        if self.num_layers is None:
+            local = torch.tensor([max((b.layer_number for b in self.blocks), default=0)], device=device)
+            if dist.is_initialized():
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            self.num_layers = int(local.item())
+        return self.num_layers
+
+    def collect(self, step: int, loss_scale: float = 1.0) -> dict[str, float]:
+        """Remove the hooks and return {tag: value} for every layer of the model, on every rank.
+
+        Collective over the default process group: every rank must call it on the same steps.
+        """
+        self.disarm()
+        num_layers = self._global_num_layers(self.device)
+        table = torch.zeros(num_layers, _NUM_SUMS, dtype=torch.float64, device=self.device)
+        for number, sums in self._sums.items():
+            table[number - 1] = sums
+        self._sums.clear()
+        if dist.is_initialized():
+            dist.all_reduce(table)
+        table = table.cpu()
+        missing = [n + 1 for n in range(num_layers) if table[n, _ELEMENTS] == 0]
+        if missing:
+            raise RuntimeError(f"depth stats at step {step}: no forward pass seen for layers {missing}; "
+                               "arm() must come before the step's forward passes")
+        return self._scalars(table, loss_scale)
+
+    def _scalars(self, table: torch.Tensor, loss_scale: float) -> dict[str, float]:
+        L = table.shape[0]
+        dp = self.groups.dp_size
+        scalars = {}
+        for index, row in enumerate(table.tolist()):
+            number = index + 1
+            mean = row[_SUM] / row[_ELEMENTS]
+            values = {
+                "residual_variance": max(row[_SQ_OUT] / row[_ELEMENTS] - mean * mean, 0.0),
+                "grad_norm": math.sqrt(row[_SQ_GRAD]) / (dp * loss_scale),
+                "attention_to_residual": math.sqrt(row[_SQ_ATTENTION] / max(row[_SQ_IN], 1e-30)),
+                "mlp_to_residual": math.sqrt(row[_SQ_MLP] / max(row[_SQ_MID], 1e-30)),
+            }
+            for stat in STATS:
+                scalars[stat_tag(stat, number, L)] = values[stat]
+        return scalars
+
+
+def write_depth_stats(writer: SummaryWriter, stats: dict[str, float], step: int) -> None:
+    """Write `collect`'s scalars, plus one layer-vs-value view per statistic.
+
+    The view is a TensorBoard histogram whose bucket l holds the value of layer l: the
+    Histograms tab then draws value against depth, one curve per logged step.
+    """
+    for tag, value in stats.items():
+        writer.add_scalar(tag, value, step)
+    for stat, values in layer_profiles(stats).items():
+        limits = [number + 0.5 for number in range(1, len(values) + 1)]
+        writer.add_histogram_raw(f"{PROFILE_PREFIX}/{stat}", min=0.5, max=len(values) + 0.5,
+                                 num=len(values), sum=sum(values), sum_squares=sum(v * v for v in values),
+                                 bucket_limits=limits, bucket_counts=values, global_step=step)

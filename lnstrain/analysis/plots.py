@@ -1,0 +1,75 @@
+"""PNG plots of depth analyses; matplotlib is optional (no plots without it)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lnstrain.analysis.depth_analysis import DepthAnalysis
+
+logger = logging.getLogger(__name__)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plots (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def file_stem(name: str) -> str:
+    """A run name made safe for file names."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "run"
+
+
+def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
+    """Write variance.png, pruning.png and angular_<run>.png; return their file names."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    names = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        ax.plot(range(1, run.num_layers + 1), run.output_variance[1:], marker="o", label=run.name)
+    ax.set(xlabel="layer", ylabel="output variance", yscale="log", title="Residual-stream variance by depth")
+    ax.legend()
+    names.append(_save(plt, fig, out_dir, "variance.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(runs)
+    for index, run in enumerate(runs):
+        layers = [p.layer + (index - (len(runs) - 1) / 2) * width for p in run.pruning]
+        ax.bar(layers, [p.delta_loss for p in run.pruning], width=width, label=run.name)
+    ax.axhline(runs[0].summary.near_identity_threshold, color="grey", linestyle="--", linewidth=1,
+               label="near-identity threshold")
+    ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
+    ax.legend()
+    names.append(_save(plt, fig, out_dir, "pruning.png"))
+
+    import numpy as np
+
+    for run in runs:
+        grid = np.array([[np.nan if d is None else d for d in row] for row in run.distance_by_offset()])
+        fig, ax = plt.subplots(figsize=(6, 5))
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0.0,
+                          extent=(0.5, run.num_layers + 0.5, 0.5, run.num_layers + 0.5))
+        fig.colorbar(image, ax=ax, label="angular distance / π")
+        ax.set(xlabel="layer l", ylabel="offset n", title=f"{run.name}: d(entering l, entering l + n)")
+        names.append(_save(plt, fig, out_dir, f"angular_{file_stem(run.name)}.png"))
+    return names
+
+
+def _save(plt, fig, out_dir: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return name
