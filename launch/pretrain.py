@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Pretrain a LLaMA-family model from one YAML run description.
+
+    deepspeed launch/pretrain.py --config configs/7b_lns.yaml            # all local GPUs (or CPU ranks)
+    deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
+    python launch/pretrain.py --config configs/demo.yaml --set train.steps=50
+    python launch/pretrain.py --config configs/7b_lns.yaml --dry-run     # memory/time estimate only
+
+Everything that can be checked without process groups (the config, the data and tokenizer files,
+the output directories, the checkpoint to resume from) is checked first, and every problem is
+reported together with exit code 2. SIGTERM or SIGUSR1 make every rank save and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.run_config import load_config  # noqa: E402
+
+EXIT_BAD_CONFIG = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run description (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the memory and throughput estimate and exit without starting anything")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="resume from this checkpoint directory or global_step<N> directory "
+                             "(same as --set checkpoint.resume=PATH)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def fail(problems: list[str], source: str) -> None:
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> None:
+    """Print the estimate; problems a real launch would refuse are listed but do not stop it."""
+    config = load_config(args.config, overrides, world_size, validate=False)
+    problems = config.validate(world_size)
+    try:
+        from lnstrain.estimate.report import dry_run_report
+    except ImportError as error:
+        fail([f"the estimator is unavailable ({error})"] + problems, args.config)
+    try:
+        print(dry_run_report(config, world_size))
+    except Exception as error:  # an estimate of an invalid config: report the config's problems instead
+        fail(problems or [f"cannot estimate this config: {error}"], args.config)
+    if problems:
+        print("\nnote: a real launch would stop on:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+
+
+def configure_process(rank: int, local_world_size: int) -> None:
+    """Logging (progress from rank 0, warnings from all) and CPU threads (cores shared by local ranks)."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+def init_distributed() -> None:
+    """Start the default process group; a plain ``python`` launch becomes a one-rank world."""
+    if "RANK" not in os.environ:
+        from lnstrain.testing.distributed import distributed_env, free_port
+
+        os.environ.update(distributed_env(0, 1, free_port()))
+    import deepspeed
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    try:
+        if args.dry_run:
+            dry_run(args, overrides, world_size)
+            return 0
+        config = load_config(args.config, overrides, world_size, validate=False)
+        from lnstrain.training.preflight import preflight_problems
+
+        problems = preflight_problems(config, world_size)
+    except ConfigError as error:
+        fail(error.problems, args.config)
+    if problems:
+        fail(problems, args.config)
+
+    rank = int(os.environ.get("RANK", "0"))
+    configure_process(rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    init_distributed()
+    from lnstrain.training.trainer import pretrain
+
+    result = pretrain(config, world_size)
+    logging.getLogger("lnstrain.launch").info(
+        "done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
+        result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Saving, finding, loading and pruning checkpoints so that a kill at any moment loses nothing saved.
+
+A save is: every rank writes its DeepSpeed shards and its RNG file; rank 0 writes the metadata; every
+rank fsyncs; a barrier proves all ranks are done; only then rank 0 writes the completion marker and
+replaces ``latest`` atomically. Until that last rename, ``latest`` names the previous checkpoint,
+which is untouched, so an interrupted save costs only the interrupted step's work.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+import lnstrain
+from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
+                                          CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
+                                          read_metadata, restore_rng_state, save_rng_state, step_dir_name,
+                                          step_of, write_atomically)
+
+logger = logging.getLogger(__name__)
+
+
+# --- finding checkpoints (pure functions: usable before any process group exists) -------------------
+def complete_step_dirs(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete ``global_step<N>`` directories under ``checkpoint_dir``, oldest first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [p for p in checkpoint_dir.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=step_of)
+
+
+def read_latest(checkpoint_dir: str | Path) -> Path | None:
+    """The directory ``<checkpoint_dir>/latest`` names, or None when there is no ``latest``."""
+    latest = Path(checkpoint_dir) / LATEST_FILE
+    if not latest.is_file():
+        return None
+    return Path(checkpoint_dir) / latest.read_text(encoding="utf-8").strip()
+
+
+def newest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """What ``checkpoint_dir`` resumes from: the step ``latest`` names when complete, else the newest
+    complete step directory; incomplete (interrupted) step directories are never chosen."""
+    named = read_latest(checkpoint_dir)
+    if named is not None and is_complete(named):
+        return named
+    complete = complete_step_dirs(checkpoint_dir)
+    if named is not None:
+        logger.warning("%s/latest names %s, which is not a complete checkpoint; using %s instead",
+                       checkpoint_dir, named.name, complete[-1].name if complete else "none (starting fresh)")
+    return complete[-1] if complete else None
+
+
+def resolve_resume(resume: str, checkpoint_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """(step directory to resume from or None, problems) for ``checkpoint.resume``.
+
+    ``auto``: this run's newest checkpoint if any; ``none``: start fresh, refusing a checkpoint
+    directory that already holds checkpoints; otherwise a checkpoint directory or one step directory.
+    """
+    if resume == "auto":
+        return newest_checkpoint(checkpoint_dir), []
+    if resume == "none":
+        existing = newest_checkpoint(checkpoint_dir)
+        if existing is not None:
+            return None, [f"checkpoint.resume is 'none' but {checkpoint_dir} already holds checkpoints "
+                          f"(newest: {existing.name}); use checkpoint.resume: auto to continue that run, "
+                          "or choose another run.name or checkpoint.dir"]
+        return None, []
+    path = Path(resume)
+    if not path.exists():
+        return None, [f"checkpoint.resume: {path} does not exist (give a checkpoint directory, a "
+                      "global_step<N> directory, 'auto' or 'none')"]
+    if step_of(path) is not None:
+        if not is_complete(path):
+            return None, [f"checkpoint.resume: {path} is not a complete checkpoint (no {COMPLETE_MARKER}: "
+                          "its save was interrupted); pick an older global_step<N> or the checkpoint directory"]
+        return path, []
+    found = newest_checkpoint(path)
+    if found is None:
+        return None, [f"checkpoint.resume: {path} holds no complete global_step<N> checkpoint"]
+    return found, []
+
+
+def data_mismatch_problems(metadata: CheckpointMetadata, step_dir: Path, data_fingerprint: str | None,
+                           tokenizer_checksum: str | None) -> list[str]:
+    """Problems when the checkpoint was trained on other data or with another tokenizer than this run."""
+    problems = []
+    hint = "set checkpoint.allow_data_mismatch: true to resume anyway"
+    if metadata.data_fingerprint != data_fingerprint:
+        problems.append(f"data changed since {step_dir}: the checkpoint's data fingerprint is "
+                        f"{metadata.data_fingerprint}, this run's is {data_fingerprint} (data.sources, "
+                        f"their files, data.seq_len, data.mode or the split changed); {hint}")
+    if metadata.tokenizer_checksum != tokenizer_checksum:
+        problems.append(f"tokenizer changed since {step_dir}: the checkpoint's tokenizer checksum is "
+                        f"{metadata.tokenizer_checksum}, this run's (data.tokenizer) is {tokenizer_checksum}; {hint}")
+    return problems
+
+
+def apply_retention(checkpoint_dir: str | Path, keep_last: int | None) -> list[Path]:
+    """Delete complete checkpoints older than the newest ``keep_last``; never the one ``latest`` names,
+    never anything newer than it, never an incomplete directory. Returns what was deleted."""
+    if keep_last is None:
+        return []
+    latest = read_latest(checkpoint_dir)
+    if latest is None or not is_complete(latest):
+        return []
+    latest_step = step_of(latest)
+    complete = complete_step_dirs(checkpoint_dir)
+    keep = {p.name for p in complete[-keep_last:]} | {latest.name}
+    deleted = []
+    for step_dir in complete:
+        if step_dir.name in keep or step_of(step_dir) >= latest_step:
+            continue
+        (step_dir / COMPLETE_MARKER).unlink()  # first, so a half-deleted directory reads as incomplete
+        shutil.rmtree(step_dir)
+        deleted.append(step_dir)
+    return deleted
+
+
+# --- saving and loading (collective: every rank calls these) ----------------------------------------
+@dataclass
+class TrainingPosition:
+    """Where a run stands; what a checkpoint restores besides the weights and optimizer."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    tokens_seen: int = 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointManager:
+    """Saves and loads this run's checkpoints under ``config.checkpoint_dir``.
+
+    Args:
+        config: the resolved run config (written into each checkpoint).
+        world_size: number of ranks; ``layout`` is (tensor, pipeline, data) parallel sizes.
+        data_fingerprint, tokenizer_checksum: this run's, stored and compared on resume.
+    """
+
+    def __init__(self, config: Any, world_size: int, layout: tuple[int, int, int],
+                 data_fingerprint: str | None, tokenizer_checksum: str | None) -> None:
+        self.config = config
+        self.directory = Path(config.checkpoint_dir)
+        self.world_size = world_size
+        self.layout = layout
+        self.data_fingerprint = data_fingerprint
+        self.tokenizer_checksum = tokenizer_checksum
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: int | None = None
+
+    def metadata(self, position: TrainingPosition) -> CheckpointMetadata:
+        tp, pp, dp = self.layout
+        return CheckpointMetadata(
+            step=position.step, consumed_samples=position.consumed_samples, tokens_seen=position.tokens_seen,
+            data_fingerprint=self.data_fingerprint, tokenizer_checksum=self.tokenizer_checksum,
+            lnstrain_version=lnstrain.__version__, world_size=self.world_size, tensor_parallel=tp,
+            pipeline_parallel=pp, data_parallel=dp, zero_stage=self.config.parallel.zero_stage,
+            precision=self.config.precision.dtype)
+
+    def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path:
+        """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``."""
+        started = time.monotonic()
+        rank = _global_rank()
+        step_dir = self.directory / step_dir_name(position.step)
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if step_dir.exists():  # an interrupted save, or a step redone after resuming from an older one
+                (step_dir / COMPLETE_MARKER).unlink(missing_ok=True)
+                shutil.rmtree(step_dir)
+        _barrier()
+        deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
+                                         client_state={"lnstrain_position": vars(position)})
+        save_rng_state(step_dir, rank)
+        if rank == 0:
+            write_atomically(step_dir / METADATA_FILE, self.metadata(position).to_json())
+            write_atomically(step_dir / CONFIG_FILE, self.config.to_yaml())
+        fsync_tree(step_dir)
+        _barrier()  # every rank's files are written and flushed
+        if rank == 0:
+            write_atomically(step_dir / COMPLETE_MARKER, f"{time.time()}\n")
+            write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
+            for deleted in apply_retention(self.directory, self.config.checkpoint.keep_last):
+                logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
+                            self.config.checkpoint.keep_last)
+        _barrier()
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = position.step
+        logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
+        return step_dir
+
+    def load(self, deepspeed_engine: Any, step_dir: Path) -> TrainingPosition:
+        """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
+        metadata = read_metadata(step_dir)
+        if not self.config.checkpoint.allow_data_mismatch:
+            problems = data_mismatch_problems(metadata, step_dir, self.data_fingerprint, self.tokenizer_checksum)
+            if problems:
+                raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
+        load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
+                                                        load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
+        rank = _global_rank()
+        rng_state = load_rng_state(step_dir, rank)
+        if rng_state is not None and metadata.world_size == self.world_size:
+            restore_rng_state(rng_state)
+        else:
+            logger.warning("%s was saved by %d ranks, this run has %d: RNG states are not restored for "
+                           "rank %d (dropout masks differ from the uninterrupted run)",
+                           step_dir, metadata.world_size, self.world_size, rank)
+        self.last_saved_step = metadata.step
+        self.last_save_time = time.monotonic()
+        logger.info("resumed from %s: step %d, %d samples consumed", step_dir, metadata.step,
+                    metadata.consumed_samples)
+        return TrainingPosition(metadata.step, metadata.consumed_samples, metadata.tokens_seen)

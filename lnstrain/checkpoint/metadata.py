@@ -1,0 +1,158 @@
+"""What lnstrain stores beside DeepSpeed's files in each ``global_step<N>/`` directory.
+
+    global_step<N>/lnstrain_metadata.json   step, consumed samples, data fingerprint, tokenizer checksum,
+                                             layout, lnstrain version (JSON: no pickled code)
+    global_step<N>/config.yaml              the resolved run config
+    global_step<N>/rng/rank_<R>.pt          rank R's python/numpy/torch RNG states (tensors and plain
+                                             values only, loaded with ``weights_only=True``)
+    global_step<N>/lnstrain_complete        written last, after every rank finished writing: a
+                                             directory without it is an interrupted save and is ignored
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+METADATA_FILE = "lnstrain_metadata.json"
+CONFIG_FILE = "config.yaml"
+COMPLETE_MARKER = "lnstrain_complete"
+LATEST_FILE = "latest"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^global_step(\d+)$")
+
+
+@dataclass
+class CheckpointMetadata:
+    """The training position and provenance of one checkpoint."""
+
+    step: int
+    consumed_samples: int
+    tokens_seen: int
+    data_fingerprint: str | None
+    tokenizer_checksum: str | None
+    lnstrain_version: str
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    zero_stage: int
+    precision: str
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> "CheckpointMetadata":
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in names if n not in data and n != "format_version")
+        if missing:
+            raise ValueError(f"{source}: not an lnstrain checkpoint metadata file (missing {', '.join(missing)})")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def step_dir_name(step: int) -> str:
+    return f"global_step{step}"
+
+
+def step_of(path: str | os.PathLike) -> int | None:
+    """N for a directory named ``global_step<N>``, else None."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(step_dir: str | os.PathLike) -> bool:
+    return (Path(step_dir) / COMPLETE_MARKER).is_file() and (Path(step_dir) / METADATA_FILE).is_file()
+
+
+def read_metadata(step_dir: str | os.PathLike) -> CheckpointMetadata:
+    path = Path(step_dir) / METADATA_FILE
+    return CheckpointMetadata.from_json(path.read_text(encoding="utf-8"), str(path))
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: str | os.PathLike) -> None:
+    """Flush every file and directory under ``directory`` (inclusive) to stable storage."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fsync_file(os.path.join(root, name))
+        fsync_file(root)
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to a temporary file, fsync it, rename it over ``path``, fsync the directory."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    fsync_file(path.parent)
+
+
+# --- RNG states -------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (loadable with ``weights_only=True``)."""
+    version, mt_state, gauss = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(mt_state), "gauss": gauss},
+        "numpy": {"bit_generator": numpy_state["bit_generator"],
+                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]),
+                  "has_gauss": int(numpy_state["has_gauss"]), "gauss": float(numpy_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state({"bit_generator": numpy["bit_generator"],
+                         "state": {"key": numpy["key"].numpy().astype(np.uint32), "pos": numpy["pos"]},
+                         "has_gauss": numpy["has_gauss"], "gauss": numpy["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_file(step_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(step_dir) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def save_rng_state(step_dir: str | os.PathLike, rank: int) -> None:
+    path = rng_file(step_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(capture_rng_state(), path)
+
+
+def load_rng_state(step_dir: str | os.PathLike, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s saved RNG states, or None when the checkpoint has no file for it."""
+    path = rng_file(step_dir, rank)
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)

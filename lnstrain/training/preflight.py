@@ -1,0 +1,88 @@
+"""Everything that can be checked before any process group exists, reported together.
+
+A problem found after ``init_distributed`` costs a queue wait and can leave ranks hanging in a
+collective; so the launcher runs ``preflight_problems`` first and refuses to start on any.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
+from lnstrain.checkpoint.metadata import read_metadata
+from lnstrain.config.run_config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_checksum(config: Config) -> str | None:
+    from lnstrain.data.tokenizer import file_sha256
+
+    return file_sha256(config.data.tokenizer) if config.data.tokenizer else None
+
+
+def tokenizer_problems(config: Config) -> list[str]:
+    """The model's vocabulary must hold every id the tokenizer can produce."""
+    path = config.data.tokenizer
+    if not path or not os.path.isfile(path):
+        return []  # a missing file is reported by data.validate()
+    from lnstrain.data.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer(path)
+    except ValueError as error:
+        return [f"data.tokenizer: {error}"]
+    if tokenizer.vocab_size > config.model.vocab_size:
+        return [f"data.tokenizer {path} has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{config.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size} "
+                f"(--set model.vocab_size={tokenizer.vocab_size}) or use a smaller tokenizer"]
+    return []
+
+
+def writable_dir_problems(path: Path, key: str) -> list[str]:
+    """Create ``path`` if needed and prove a file can be written there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".lnstrain-write-test-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return [f"{key}: cannot write to {path} ({error.strerror or error}); set {key} to a writable directory"]
+    return []
+
+
+def resume_problems(config: Config, compare_data: bool = True) -> list[str]:
+    """The checkpoint to resume from exists, is complete and (``compare_data``) was trained on this
+    run's data and tokenizer."""
+    step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
+    if step_dir is None or problems or config.checkpoint.allow_data_mismatch or not compare_data:
+        return problems
+    from lnstrain.data.fingerprint import data_fingerprint
+
+    try:
+        metadata = read_metadata(step_dir)
+        fingerprint = data_fingerprint(config.data)
+    except (OSError, ValueError) as error:
+        return [f"checkpoint.resume: cannot read {step_dir}: {error}"]
+    return data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
+
+
+def preflight_problems(config: Config, world_size: int) -> list[str]:
+    """Every problem with the config, its files, the output directories and the resume checkpoint.
+
+    Creates the run and checkpoint directories (proving they are writable).
+    """
+    from lnstrain.training.engine import layout_problems
+
+    problems = list(dict.fromkeys(config.validate(world_size) + layout_problems(config, world_size)))
+    problems += tokenizer_problems(config)
+    run_dir_problems = writable_dir_problems(config.run.dir, "run.output_dir")
+    problems += run_dir_problems
+    checkpoint_key = "checkpoint.dir" if config.checkpoint.dir else "run.output_dir"
+    if config.checkpoint.dir or not run_dir_problems:
+        problems += writable_dir_problems(config.checkpoint_dir, checkpoint_key)
+    problems += resume_problems(config, compare_data=not problems)  # fingerprints need readable data
+    return problems

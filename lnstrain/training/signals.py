@@ -1,0 +1,84 @@
+"""Stopping and time-based saving that every rank agrees on.
+
+SIGTERM (a scheduler's warning before the kill) and SIGUSR1 (a user's "save and stop") only set a
+flag; the training loop asks ``poll()`` after each step, which all-reduces the local flags over the
+world, so either every rank stops after the same step or none does. The wall-clock limit
+(``train.max_wallclock_minutes``) and the time-based checkpoint interval go through the same
+all-reduce, because clocks on different ranks disagree by a little.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class LoopDecision:
+    """What every rank does after the current step."""
+
+    stop: bool = False
+    reason: str = ""
+    save_for_time: bool = False
+
+
+class StopController:
+    """Installs the signal handlers and decides, collectively, when to stop or save.
+
+    Args:
+        max_wallclock_minutes: stop (and save) before this much time has passed since construction;
+            the margin is the slowest step plus the slowest save seen so far.
+        save_interval_minutes: ask for a save when this much time passed since ``last_save_time``.
+    """
+
+    def __init__(self, max_wallclock_minutes: float | None, save_interval_minutes: float | None) -> None:
+        self.started = time.monotonic()
+        self.deadline_s = None if max_wallclock_minutes is None else 60.0 * max_wallclock_minutes
+        self.save_interval_s = None if save_interval_minutes is None else 60.0 * save_interval_minutes
+        self.received: int | None = None
+        self.slowest_step_s = 0.0
+        self.slowest_save_s = 0.0
+        self._previous_handlers: dict[int, object] = {}
+
+    def install(self) -> "StopController":
+        for signum in STOP_SIGNALS:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.received = signum  # only a flag: the loop acts on it between steps
+
+    def poll(self, last_step_s: float, last_save_time: float) -> LoopDecision:
+        """Collective: every rank calls it after each step and gets the same decision."""
+        now = time.monotonic()
+        self.slowest_step_s = max(self.slowest_step_s, last_step_s)
+        out_of_time = (self.deadline_s is not None and
+                       now - self.started + self.slowest_step_s + self.slowest_save_s >= self.deadline_s)
+        save_due = self.save_interval_s is not None and now - last_save_time >= self.save_interval_s
+        flags = torch.tensor([self.received is not None, out_of_time, save_due], dtype=torch.int32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, out_of_time, save_due = (bool(v) for v in flags.tolist())
+        if signalled:
+            name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
+            return LoopDecision(stop=True, reason=f"received {name}", save_for_time=save_due)
+        if out_of_time:
+            return LoopDecision(stop=True, reason="train.max_wallclock_minutes reached", save_for_time=save_due)
+        return LoopDecision(save_for_time=save_due)
+
+    def record_save(self, seconds: float) -> None:
+        self.slowest_save_s = max(self.slowest_save_s, seconds)

@@ -1,0 +1,57 @@
+"""A run interrupted and resumed reproduces the uninterrupted run's losses, single rank and 2-rank DP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lnstrain.config.run_config import load_config
+from lnstrain.testing.distributed import run_distributed
+from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
+
+# Dropout makes the comparison depend on the restored RNG states as well as on weights, optimizer,
+# schedule and data position.
+WITH_DROPOUT = ["model.hidden_dropout=0.1"]
+TOLERANCE = 1e-6
+
+
+def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
+    from lnstrain.training.trainer import pretrain
+
+    def config(name: str):
+        return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + WITH_DROPOUT, world_size)
+
+    straight = pretrain(config("straight"), world_size)
+    interrupted = pretrain(config("resumed"), world_size, stop_at_step=3)
+    resumed = pretrain(config("resumed"), world_size)  # checkpoint.resume: auto finds latest
+    rerun = pretrain(config("resumed"), world_size)  # already finished: resumes at the end, trains nothing
+    return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "rerun": rerun}
+
+
+def check_resume(results: dict, world_size: int) -> None:
+    straight, interrupted, resumed, rerun = (results[k] for k in ("straight", "interrupted", "resumed", "rerun"))
+    assert sorted(straight.losses) == [1, 2, 3, 4, 5, 6]
+    assert interrupted.stop_reason == "reached stop_at_step 3"
+    assert sorted(interrupted.losses) == [1, 2, 3]
+    assert Path(resumed.resumed_from).name == "global_step3"
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in range(1, 7):
+        loss = (interrupted.losses | resumed.losses)[step]
+        assert abs(loss - straight.losses[step]) <= TOLERANCE, (world_size, step, loss, straight.losses[step])
+    assert abs(resumed.eval_losses[6] - straight.eval_losses[6]) <= TOLERANCE
+    assert resumed.position.consumed_samples == straight.position.consumed_samples == 6 * 8
+    assert Path(rerun.resumed_from).name == "global_step6" and rerun.losses == {}
+    assert straight.losses[6] < straight.losses[1]  # it trains at all
+
+
+def test_resume_matches_uninterrupted_run_single_rank(tiny_corpus, tmp_path):
+    [results] = run_distributed(straight_and_resumed, 1, tiny_corpus, tmp_path, timeout_s=240)
+    check_resume(results, 1)
+
+
+@pytest.mark.multirank
+def test_resume_matches_uninterrupted_run_two_data_parallel_ranks(tiny_corpus, tmp_path):
+    results = run_distributed(straight_and_resumed, 2, tiny_corpus, tmp_path, timeout_s=300)
+    check_resume(results[0], 2)
+    assert results[0]["straight"].losses == results[1]["straight"].losses  # ranks agree
