@@ -1,0 +1,80 @@
+"""Micro-batches -> model inputs, and the token-weighted loss every layout shares.
+
+A micro-batch is the data layer's dict ``{"tokens": int64[mb, seq + 1], "loss_mask": float[mb, seq]}``
+(``loss_mask`` optional: all ones). The model reads ``tokens[:, :-1]`` and predicts
+``tokens[:, 1:]``; ``loss_mask[b, t]`` says whether that prediction counts (0 for padding and for
+tokens the data layer excludes).
+
+The reported loss is the mean over every counted token of the global batch, however the batch is
+split into micro-batches and data-parallel ranks. DeepSpeed averages per-micro-batch losses (divides
+by the accumulation steps, then by the data-parallel size), so each micro-batch's loss is its
+*sum* of token losses times ``weight = accumulation_steps * dp_size / counted_tokens_in_global_batch``:
+their DeepSpeed average is then exactly ``sum of token losses / counted tokens``, and so are the
+gradients. One all-reduce of a scalar over the data-parallel group finds the token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from lnstrain.model.config import ModelConfig
+from lnstrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from lnstrain.parallel.groups import ParallelGroups
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+@dataclass
+class WeightedMicroBatch:
+    """Model inputs, targets and per-token loss weights of one micro-batch."""
+
+    inputs: torch.Tensor   # int64 [mb, seq]
+    labels: torch.Tensor   # int64 [mb, seq]
+    weights: torch.Tensor  # float32 [mb, seq]: loss_mask * accumulation * dp / counted tokens
+
+
+def split_tokens(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, labels, loss_mask) of one micro-batch."""
+    if "tokens" not in batch:
+        raise KeyError(f"a micro-batch needs 'tokens' (int64 [batch, seq + 1]); got keys {sorted(batch)}")
+    tokens = batch["tokens"].long()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss_mask = batch.get("loss_mask")
+    loss_mask = torch.ones(labels.shape) if loss_mask is None else torch.as_tensor(loss_mask).float()
+    if loss_mask.shape != labels.shape:
+        raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected {tuple(labels.shape)} "
+                         "(one entry per predicted token: tokens has seq + 1 columns)")
+    return inputs, labels, loss_mask
+
+
+def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
+                        device: torch.device | str = "cpu") -> tuple[list[WeightedMicroBatch], float]:
+    """Loss weights making DeepSpeed's micro-batch average the global token-weighted mean.
+
+    Returns the weighted micro-batches and the number of counted tokens in the global batch
+    (all data-parallel ranks). A global batch with no counted token gets weight 0 (loss 0).
+    """
+    if not micro_batches:
+        raise ValueError("train/eval step called with no micro-batches")
+    split = [split_tokens(batch) for batch in micro_batches]
+    counted = torch.tensor([float(sum(mask.sum().item() for _, _, mask in split))], dtype=torch.float64)
+    if groups.dp_size > 1:
+        dist.all_reduce(counted, group=groups.dp_group)
+    total = counted.item()
+    scale = len(micro_batches) * groups.dp_size / total if total > 0 else 0.0
+    weighted = [WeightedMicroBatch(inputs.to(device), labels.to(device), (mask * scale).to(device))
+                for inputs, labels, mask in split]
+    return weighted, total
+
+
+def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                        cfg: ModelConfig, groups: ParallelGroups) -> torch.Tensor:
+    """sum(token cross-entropy * weight): an fp32 scalar, identical on the ranks of a TP group."""
+    per_token = vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size)
+    return (per_token * weights.to(per_token.dtype)).sum()

@@ -1,0 +1,267 @@
+"""The DeepSpeed engine for any (tensor, pipeline, data) layout, behind one step API.
+
+``build_engine`` checks the layout, builds the model (``Transformer`` at pipeline size 1, a
+DeepSpeed ``PipelineModule`` otherwise; weights are drawn per name from the model's init seed, so
+every layout starts from the same model), our optimizer and schedule, and ``deepspeed.initialize``.
+``TrainingEngine.train_step`` then hides whether DeepSpeed runs a pipeline schedule or plain
+forward/backward over the micro-batches. torch.distributed must already be initialised.
+
+Loss: the token-weighted mean over the global batch (``lnstrain.training.batches``); tokens with
+``loss_mask`` 0 (padding, excluded tokens) add nothing to the loss, the gradient or the count.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.loader import ConfigError
+from lnstrain.config.run_config import Config
+from lnstrain.model.block import TransformerBlock
+from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.parallel.sequence_parallel import allreduce_sequence_parallel_grads
+from lnstrain.training.batches import MicroBatch, weigh_micro_batches, weighted_token_loss
+from lnstrain.training.grad_clip import GradClipHook, mark_tensor_parallel_parameters
+from lnstrain.training.optimizer import build_optimizer
+from lnstrain.training.schedule import build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step. ``loss`` is the global batch's token-weighted mean, the same on every rank."""
+
+    loss: float
+    grad_norm: float | None
+    lr: float
+    loss_scale: float | None
+    skipped: bool
+
+
+def layout_problems(config: Config, world_size: int) -> list[str]:
+    """Everything that would make the engine fail or hang, found before any group or engine exists.
+
+    The data section is not checked here (the engine never reads files); the trainer checks it.
+    """
+    problems = config.model.validate(tensor_parallel=max(config.parallel.tensor, 1))
+    for section in (config.parallel, config.optim, config.train, config.precision):
+        problems += section.validate()
+    problems += config._cross_section_problems(world_size)
+    train, parallel = config.train, config.parallel
+    if train.activation_checkpointing == "selective":
+        problems.append("train.activation_checkpointing: 'selective' is not supported by the model yet; "
+                        "use 'full' or 'none'")
+    tp_grads_outside_autograd = parallel.tensor > 1 and (
+        parallel.sequence_parallel or config.model.kv_heads < parallel.tensor)
+    if tp_grads_outside_autograd and (parallel.pipeline > 1 or parallel.zero_stage > 0 or
+                                      config.precision.dtype != "fp32"):
+        what = ("parallel.sequence_parallel" if parallel.sequence_parallel else
+                f"model.num_kv_heads ({config.model.kv_heads}) < parallel.tensor ({parallel.tensor})")
+        problems.append(f"{what} leaves partial gradients that must be summed over the tensor group "
+                        "between backward and DeepSpeed's reduction; lnstrain does that only with "
+                        "parallel.pipeline: 1, parallel.zero_stage: 0 and precision.dtype: fp32")
+    return problems
+
+
+def check_layout(config: Config, world_size: int) -> None:
+    """Raise ``ConfigError`` listing every layout problem (call before building process groups)."""
+    problems = layout_problems(config, world_size)
+    if problems:
+        raise ConfigError(problems, "parallel layout")
+
+
+def _check_groups_match(config: Config, groups: ParallelGroups, world_size: int) -> None:
+    expected = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
+    actual = (groups.tp_size, groups.pp_size, groups.dp_size)
+    if expected != actual:
+        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for "
+                         f"{expected} on {world_size} ranks; build them with ParallelGroups.build("
+                         f"{config.parallel.tensor}, {config.parallel.pipeline})")
+
+
+def _build_module(config: Config, groups: ParallelGroups) -> nn.Module:
+    if groups.pp_size > 1:
+        from lnstrain.parallel.pipeline import build_pipeline_module
+
+        return build_pipeline_module(config.model, config.parallel, groups, config.train.activation_checkpointing)
+    from lnstrain.model.transformer import Transformer
+
+    model = Transformer(config.model, groups)
+    model.set_activation_checkpointing(config.train.activation_checkpointing == "full")
+    return model
+
+
+def _deepspeed_json(config: Config, world_size: int, own_clipping: bool) -> dict[str, Any]:
+    ds_config = deepspeed_config(config, world_size)
+    if own_clipping:
+        ds_config["gradient_clipping"] = 0.0
+    if config.parallel.pipeline > 1 and config.parallel.sequence_parallel:
+        # DeepSpeed's pipe engine sends 1/tp of each activation and all-gathers it, which assumes
+        # the tensor ranks hold the same activation; under sequence parallelism they do not.
+        ds_config.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
+    return ds_config
+
+
+def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "TrainingEngine":
+    """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``."""
+    import deepspeed
+
+    check_layout(config, world_size)
+    _check_groups_match(config, groups, world_size)
+    if not dist.is_initialized():
+        raise RuntimeError("build_engine needs torch.distributed initialised (launch with torchrun or "
+                           "deepspeed, or lnstrain.testing.distributed.run_distributed)")
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    torch.manual_seed(config.train.seed + 100 * groups.pp_rank + 10007 * groups.dp_rank)
+
+    module = _build_module(config, groups)
+    mark_tensor_parallel_parameters(module, groups.tp_size)
+    if config.train.compile:
+        for block in module.modules():
+            if isinstance(block, TransformerBlock):
+                block.compile()
+    optimizer = build_optimizer(module, config.optim)
+    scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
+                                total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
+                                decay=config.optim.decay)
+    own_clipping = config.parallel.zero_stage == 0 and config.precision.dtype == "fp32"
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler,
+        mpu=groups if groups.pp_size == 1 else None,
+        config=_deepspeed_json(config, world_size, own_clipping))
+    clip_hook = None
+    if own_clipping:
+        params = [p for p in module.parameters() if p.requires_grad]
+        clip_hook = GradClipHook(params, config.optim.grad_clip, groups.tp_rank,
+                                 engine.mpu.get_model_parallel_group() if engine.mpu is not None else None)
+        optimizer.register_step_pre_hook(clip_hook)
+    return TrainingEngine(engine=engine, module=module, groups=groups, config=config, scheduler=scheduler,
+                          clip_hook=clip_hook)
+
+
+class TrainingEngine:
+    """One training step over a list of micro-batches, whatever the layout.
+
+    Attributes:
+        engine: the DeepSpeed engine (a ``PipelineEngine`` when pipelined): checkpoints go through it.
+        module: this rank's model (``Transformer`` or its pipeline stage, a ``PipelineModule``).
+        groups: this rank's process groups.
+    """
+
+    def __init__(self, engine: Any, module: nn.Module, groups: ParallelGroups, config: Config,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, clip_hook: GradClipHook | None = None) -> None:
+        self.engine = engine
+        self.module = module
+        self.groups = groups
+        self.config = config
+        self.scheduler = scheduler
+        self.clip_hook = clip_hook
+        self.accumulation_steps = engine.gradient_accumulation_steps()
+        # Checked by layout_problems to occur only with ZeRO-0, fp32 and no pipeline, where the
+        # gradients sit in param.grad (already averaged over data-parallel ranks) before the step.
+        self.has_partial_tp_grads = groups.tp_size > 1 and (
+            groups.sequence_parallel or config.model.kv_heads < groups.tp_size)
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.groups.pp_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def _check_count(self, micro_batches: list[MicroBatch]) -> None:
+        if len(micro_batches) != self.accumulation_steps:
+            raise ValueError(f"train_step got {len(micro_batches)} micro-batches, but this layout accumulates "
+                             f"{self.accumulation_steps} per step (train.global_batch_size / "
+                             f"(train.micro_batch_size × data-parallel size {self.groups.dp_size}))")
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """Forward, backward and one optimizer step over this rank's share of the global batch."""
+        self._check_count(micro_batches)
+        lr = self.scheduler.get_last_lr()[0]
+        self.engine.train()
+        if self.is_pipeline:
+            loss = self._pipeline_train(micro_batches)
+        else:
+            loss = self.forward_backward(micro_batches)
+        return StepResult(loss=loss, grad_norm=self._grad_norm(), lr=lr, loss_scale=self._loss_scale(),
+                          skipped=not self.engine.was_step_applied())
+
+    def forward_backward(self, micro_batches: list[MicroBatch], step: bool = True) -> float:
+        """Non-pipelined: forward and backward of every micro-batch; the optimizer steps after the
+        last one unless ``step`` is False (tests read gradients there; call ``engine.step()`` after).
+        Returns the global batch's token-weighted mean loss."""
+        if self.is_pipeline:
+            raise RuntimeError("forward_backward is for pipeline size 1; pipelines use train_step")
+        weighted, counted = weigh_micro_batches(micro_batches, self.groups, self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for index, micro in enumerate(weighted):
+            logits = self.engine(micro.inputs)
+            loss = weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
+            self.engine.backward(loss)
+            loss_sum += loss.detach().double().cpu()
+            if index == len(weighted) - 1 and self.has_partial_tp_grads:
+                allreduce_sequence_parallel_grads(self.module, self.groups)
+            if step or index < len(weighted) - 1:
+                self.engine.step()
+        return self._global_mean(loss_sum / len(weighted))
+
+    def _global_mean(self, local_mean_contribution: torch.Tensor) -> float:
+        # Each rank holds the mean of its weighted micro-batch losses; DeepSpeed's average over dp.
+        value = local_mean_contribution.reshape(1)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(value, group=self.groups.dp_group)
+            value /= self.groups.dp_size
+        return value.item()
+
+    def _pipeline_batches(self, micro_batches: list[MicroBatch]) -> list[tuple]:
+        weighted, _ = weigh_micro_batches(micro_batches, self.groups)
+        return [(m.inputs, (m.labels, m.weights)) for m in weighted]
+
+    def _pipeline_train(self, micro_batches: list[MicroBatch]) -> float:
+        loss = self.engine.train_batch(data_iter=iter(self._pipeline_batches(micro_batches)))
+        return float(loss.item())
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
+        """Token-weighted mean loss over the micro-batches of every data-parallel rank, no update."""
+        self.engine.eval()
+        try:
+            if self.is_pipeline:
+                loss = self.engine.eval_batch(data_iter=iter(self._pipeline_batches(micro_batches)),
+                                              num_micro_batches=len(micro_batches))
+                return float(loss.item())
+            weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
+            total = torch.zeros((), dtype=torch.float64)
+            for micro in weighted:
+                logits = self.engine(micro.inputs)
+                total += weighted_token_loss(logits, micro.labels, micro.weights, self.config.model,
+                                             self.groups).double().cpu()
+            return self._global_mean(total / len(weighted))
+        finally:
+            self.engine.train()
+
+    def _grad_norm(self) -> float | None:
+        if self.clip_hook is not None:
+            return self.clip_hook.last_norm
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def _loss_scale(self) -> float | None:
+        if not self.engine.fp16_enabled():
+            return None
+        return float(getattr(self.engine.optimizer, "cur_scale", float("nan")))
+
+    @property
+    def global_step(self) -> int:
+        return self.engine.global_steps

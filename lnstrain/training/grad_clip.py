@@ -1,0 +1,77 @@
+"""Global gradient-norm clipping for the one path where DeepSpeed gets it wrong: fp32 without ZeRO.
+
+DeepSpeed's fp32, ZeRO-0 path (``clip_grad_norm_``) counts a replicated parameter only on model
+rank 0 of the pipe × tensor group, so with pipelines it drops the norms, biases and other
+replicated parameters of every stage but the first, and it never reports the norm. lnstrain turns
+DeepSpeed's clipping off there and clips in an optimizer step pre-hook instead (the gradients are
+already averaged over data-parallel ranks when the optimizer steps). Its ZeRO and bf16/fp16
+optimizers compute the norm correctly and keep clipping.
+
+A parameter's squared norm is counted once per model replica: parameters sharded across tensor
+ranks (``tensor_model_parallel``) on every tensor rank, replicated ones on tensor rank 0 only, and
+tied pipeline copies (``ds_pipe_replicated``) on their owning stage only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def mark_tensor_parallel_parameters(module: nn.Module, tp_size: int) -> int:
+    """Set ``tensor_model_parallel`` (DeepSpeed's marker) on every tensor-sharded weight; returns the count.
+
+    DeepSpeed's norms skip unmarked parameters on tensor ranks > 0, so a sharded weight must carry it.
+    """
+    from lnstrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    marked = 0
+    for child in module.modules():
+        if isinstance(child, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            child.weight.tensor_model_parallel = tp_size > 1
+            marked += tp_size > 1
+    return marked
+
+
+def counts_on_this_rank(param: torch.Tensor, tp_rank: int) -> bool:
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return tp_rank == 0 or bool(getattr(param, "tensor_model_parallel", False))
+
+
+def global_grad_norm(params: list[torch.Tensor], tp_rank: int, model_parallel_group: Any) -> float:
+    """L2 norm of the whole model's gradient (every stage and tensor shard) from this rank's part."""
+    squares = [p.grad.detach().float().pow(2).sum() for p in params
+               if p.grad is not None and counts_on_this_rank(p, tp_rank)]
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = total.reshape(1).to(torch.float64)
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(total, group=model_parallel_group)
+    return math.sqrt(total.item())
+
+
+class GradClipHook:
+    """Optimizer step pre-hook: measure the global gradient norm, clip to ``max_norm`` (0: measure only)."""
+
+    def __init__(self, params: list[torch.Tensor], max_norm: float, tp_rank: int, model_parallel_group: Any):
+        self.params = params
+        self.max_norm = max_norm
+        self.tp_rank = tp_rank
+        self.model_parallel_group = model_parallel_group
+        self.last_norm: float | None = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        norm = global_grad_norm(self.params, self.tp_rank, self.model_parallel_group)
+        self.last_norm = norm
+        if self.max_norm > 0 and math.isfinite(norm) and norm > self.max_norm:
+            coefficient = self.max_norm / (norm + 1e-6)
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.mul_(coefficient)
