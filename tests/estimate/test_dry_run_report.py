@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 #: a realistic GPU count per shipped config: one 8-GPU node, 2 nodes for 7B (tensor 2 × pipeline 2)
-WORLD_SIZE = {"7b": 16}
+WORLD_SIZE = {"7b": 16, "demo": 2}
 
 
 def world_size_for(path: Path) -> int:
@@ -79,8 +79,8 @@ def test_recipe_composition():
 
 @pytest.mark.skipif(not (REPO / "launch" / "pretrain.py").is_file(), reason="launch/pretrain.py not written yet")
 def test_pretrain_dry_run_command():
-    result = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/130m_lns.yaml",
-                             "--dry-run", "--world-size", "8"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/7b_lns.yaml", "--dry-run"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "WORLD_SIZE": "16"})
     assert result.returncode == 0, result.stderr
     assert "Memory per rank" in result.stdout and "FLOPs per token" in result.stdout

@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Plan, launch and summarise a scaling study (sizes × norm schemes × seeds).
+
+    python launch/scaling_study.py plan    configs/studies/lns_scaling.yaml   # runs, layouts, memory, GPU-hours
+    python launch/scaling_study.py run     configs/studies/lns_scaling.yaml   # launch unfinished runs (resumes)
+    python launch/scaling_study.py collect configs/studies/lns_scaling.yaml   # results.csv, results.md, scaling.png
+
+``plan`` exits 1 when a run fits no layout; ``run`` launches nothing then (``--skip-refused``
+launches the others) and exits 1 if any run failed. Plans and results go to
+``<output_dir>/_study/``. See docs/scaling_study.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.study.collect import collect_results  # noqa: E402
+from lnstrain.study.launchers import launch_study, run_status  # noqa: E402
+from lnstrain.study.plan import format_plan, plan_rows, plan_study  # noqa: E402
+from lnstrain.study.spec import load_study  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["plan", "run", "collect"])
+    parser.add_argument("study", help="study YAML, e.g. configs/studies/lns_scaling.yaml")
+    parser.add_argument("--skip-refused", action="store_true", help="run: launch the runs that fit, skip the rest")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        study = load_study(args.study)
+        planned = plan_study(study)
+    except ConfigError as error:
+        print(f"lnstrain: {error}", file=sys.stderr)
+        return 2
+    report_dir = study.output_dir / "_study"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    refused = [p for p in planned if p.error]
+
+    if args.command == "plan":
+        text = format_plan(study, planned)
+        (report_dir / "plan.md").write_text(text + "\n", encoding="utf-8")
+        (report_dir / "plan.json").write_text(json.dumps(plan_rows(planned), indent=2) + "\n", encoding="utf-8")
+        for p in planned:
+            text += f"\n{p.run.name}: {run_status(p.config.run.dir, p.config.total_steps)}"
+        print(text)
+        return 1 if refused else 0
+
+    if args.command == "run":
+        if refused and not args.skip_refused:
+            print("refusing to launch: " + "; ".join(f"{p.run.name}: {p.error}" for p in refused)
+                  + "\n(rerun with --skip-refused to launch the others)", file=sys.stderr)
+            return 1
+        results = launch_study(study, [p for p in planned if not p.error])
+        for result in results:
+            print(f"{result.run:<32} {result.status:<10} {result.detail}")
+        return 1 if any(r.status == "failed" for r in results) else 0
+
+    rows, files = collect_results(planned, report_dir, study.spec.sizes, study.spec.schemes,
+                                  f"Study '{study.spec.name}': final validation loss")
+    print(files["markdown"].read_text(encoding="utf-8"))
+    print("\n".join(f"wrote {path}" for path in files.values()))
+    if "plot" not in files:
+        print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    missing = [r["run"] for r in rows if r["status"] != "done"]
+    if missing:
+        print(f"{len(missing)} run(s) without final metrics: {', '.join(missing)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Scaling studies: sizes × norm schemes × seeds, planned, launched and summarised."""

@@ -1,0 +1,110 @@
+"""``plan``: every run's size, budget, FLOPs, layout, memory per GPU and GPU-hours, before launching."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lnstrain.estimate.flops import flops_per_token
+from lnstrain.estimate.memory import GIB
+from lnstrain.study.layout import LayoutChoice, LayoutError, check_layout, choose_layout
+from lnstrain.study.runs import StudyRun, study_runs
+from lnstrain.study.spec import Study
+
+
+@dataclass
+class PlannedRun:
+    """One row of the plan. ``layout`` is None (and ``error`` says why) when nothing fits."""
+
+    run: StudyRun
+    parameters: int
+    non_embedding_parameters: int
+    tokens: int
+    flops: float
+    gpus: int
+    choice: LayoutChoice | None
+    gpu_hours: float
+    error: str = ""
+
+    @property
+    def config(self):
+        return self.choice.config if self.choice else self.run.config
+
+    def row(self) -> dict:
+        """Flat, JSON-able description."""
+        row = {"run": self.run.name, "size": self.run.size, "scheme": self.run.scheme, "seed": self.run.seed,
+               "parameters": self.parameters, "non_embedding_parameters": self.non_embedding_parameters,
+               "tokens": self.tokens, "flops": self.flops, "gpus": self.gpus,
+               "gpu_hours": round(self.gpu_hours, 2), "error": self.error}
+        if self.choice:
+            cfg, gpus = self.choice.config, self.choice.gpus
+            row.update(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
+                       data=cfg.data_parallel_size(gpus), zero_stage=cfg.parallel.zero_stage,
+                       micro_batch=cfg.train.micro_batch_size, accumulation=cfg.grad_accumulation_steps(gpus),
+                       recompute=cfg.train.activation_checkpointing,
+                       memory_gib=round(self.choice.memory.total / GIB, 2), notes=self.choice.notes)
+        return row
+
+
+def plan_run(study: Study, run: StudyRun) -> PlannedRun:
+    config, cluster = run.config, study.cluster
+    gpus = study.spec.gpus_for(run.size)
+    tokens = config.total_steps * config.tokens_per_step
+    flops = flops_per_token(config.model, config.data.seq_len).noncausal * tokens
+    gpu_hours = flops / (cluster.peak_tflops * 1e12 * cluster.mfu) / 3600
+    choice, error = None, ""
+    try:
+        choice = (choose_layout if study.spec.search_layout else check_layout)(config, gpus, cluster)
+    except LayoutError as failure:
+        error = str(failure)
+    return PlannedRun(run=run, parameters=config.model.num_parameters(),
+                      non_embedding_parameters=config.model.num_parameters(include_embeddings=False),
+                      tokens=tokens, flops=flops, gpus=gpus, choice=choice, gpu_hours=gpu_hours, error=error)
+
+
+def plan_study(study: Study) -> list[PlannedRun]:
+    return [plan_run(study, run) for run in study_runs(study)]
+
+
+def _short(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(study: Study, planned: list[PlannedRun]) -> str:
+    """A Markdown table of the plan, the assumptions, and every refusal."""
+    cluster = study.cluster
+    header = ("| run | params | non-emb | tokens | FLOPs | GPUs | nodes | tp×pp×dp | ZeRO | micro×acc | recompute "
+              "| mem/GPU GiB | GPU-h |")
+    lines = [f"# Plan of study '{study.spec.name}' on '{cluster.name}'", "",
+             f"GPU-hours = FLOPs / ({cluster.peak_tflops:g} TFLOP/s × MFU {cluster.mfu:.0%}); FLOPs = tokens × "
+             f"(6N + 12·L·h·s). Memory must stay under {cluster.memory_margin:.0%} of "
+             f"{cluster.gpu_memory_gib:g} GiB per GPU.", "", header, "|" + "---|" * (header.count("|") - 1)]
+    for p in planned:
+        nodes = math.ceil(p.gpus / cluster.gpus_per_node)
+        if p.choice:
+            r = p.row()
+            layout = (f"{r['tensor']}×{r['pipeline']}×{r['data']} | {r['zero_stage']} | "
+                      f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f}")
+        else:
+            layout = "— | — | — | — | does not fit"
+        lines.append(f"| {p.run.name} | {_short(p.parameters)} | {_short(p.non_embedding_parameters)} | "
+                     f"{_short(p.tokens)} | {p.flops:.2e} | {p.gpus} | {nodes} | {layout} | {p.gpu_hours:,.1f} |")
+    total = sum(p.gpu_hours for p in planned)
+    lines += ["", f"Total: {len(planned)} runs, {total:,.1f} GPU-hours at {cluster.mfu:.0%} MFU."]
+    notes = sorted({note for p in planned if p.choice for note in p.choice.notes})
+    if notes:
+        lines += ["", "Layout notes:", *(f"- {note}" for note in notes)]
+    refused = [p for p in planned if p.error]
+    if refused:
+        lines += ["", "Refused (no layout fits):", *(f"- {p.run.name}: {p.error}" for p in refused)]
+    return "\n".join(lines)
+
+
+def plan_rows(planned: list[PlannedRun]) -> list[dict]:
+    return [p.row() for p in planned]
+
+
+__all__ = ["PlannedRun", "format_plan", "plan_rows", "plan_run", "plan_study"]

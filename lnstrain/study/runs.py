@@ -1,0 +1,58 @@
+"""The runs of a study: each size × scheme × seed composed into one resolved config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lnstrain.config.loader import apply_overrides, deep_merge, load_yaml_with_bases
+from lnstrain.config.run_config import Config, config_from_dict
+from lnstrain.study.spec import Study
+
+RUN_CONFIG = "study_config.yaml"
+"""The resolved config the study launches a run with."""
+
+
+@dataclass
+class StudyRun:
+    """One run of a study and its config (before the layout search)."""
+
+    size: str
+    scheme: str
+    seed: int
+    config: Config
+
+    @property
+    def name(self) -> str:
+        return run_name(self.size, self.scheme, self.seed)
+
+    @property
+    def dir(self) -> Path:
+        return self.config.run.dir
+
+
+def run_name(size: str, scheme: str, seed: int) -> str:
+    return f"{size}_{scheme}_s{seed}"
+
+
+def compose_run_config(study: Study, size: str, scheme: str, seed: int) -> Config:
+    """recipe ← size piece ← scheme piece ← the study's data, names and seed ← ``set`` overrides."""
+    spec = study.spec
+    data: dict = {}
+    for piece in (study.path(spec.recipe), study.path(spec.sizes_dir) / f"{size}.yaml",
+                  study.path(spec.schemes_dir) / f"{scheme}.yaml"):
+        data = deep_merge(data, load_yaml_with_bases(piece))
+    data = deep_merge(data, {
+        "run": {"name": run_name(size, scheme, seed), "output_dir": spec.output_dir},
+        "data": {"sources": [{"prefix": spec.data_prefix, "weight": 1.0}], "tokenizer": spec.tokenizer},
+        "train": {"seed": seed},
+        "model": {"init_seed": seed},
+    })
+    return config_from_dict(apply_overrides(data, spec.set), source=f"study run {run_name(size, scheme, seed)}")
+
+
+def study_runs(study: Study) -> list[StudyRun]:
+    """Every run, sizes in the study's order, then schemes, then seeds."""
+    spec = study.spec
+    return [StudyRun(size, scheme, seed, compose_run_config(study, size, scheme, seed))
+            for size in spec.sizes for scheme in spec.schemes for seed in spec.seeds]

@@ -1,0 +1,169 @@
+"""The study file (``configs/studies/*.yaml``) and the cluster profile it names, as typed dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from lnstrain.config.loader import ConfigError, from_dict
+
+
+@dataclass
+class SlurmOptions:
+    """How SLURM batch scripts are written and submitted.
+
+    Attributes:
+        mode: ``per_node`` (srun starts one DeepSpeed launcher per node, ``--no_ssh``), ``per_rank``
+            (srun starts every rank; RANK/LOCAL_RANK/WORLD_SIZE from SLURM) or ``ssh`` (one DeepSpeed
+            launcher on the first node reaches the others over ssh/pdsh with the hostfile).
+        partition, account: ``#SBATCH`` partition and account (left out when unset).
+        time: wall-clock limit; the trainer gets SIGTERM ``signal_seconds`` before it and saves.
+        cpus_per_task: CPUs per SLURM task.
+        directives: extra ``#SBATCH`` lines, e.g. ``--exclusive`` or ``--qos=high``.
+        setup: shell lines run before launching (``module load``, ``source venv/bin/activate``).
+        submit: ``run`` submits with ``sbatch``; false only writes the scripts.
+    """
+
+    mode: Literal["per_node", "per_rank", "ssh"] = "per_node"
+    partition: str | None = None
+    account: str | None = None
+    time: str = "24:00:00"
+    signal_seconds: int = 180
+    cpus_per_task: int = 8
+    directives: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    submit: bool = True
+
+
+@dataclass
+class ClusterProfile:
+    """The machines a study runs on.
+
+    Attributes:
+        name: label in plans.
+        launcher: ``local`` (runs one after another on this machine), ``deepspeed`` (the DeepSpeed
+            launcher with ``hostfile``) or ``slurm`` (batch scripts).
+        gpus_per_node: accelerators per node (1 for CPU-only test runs).
+        gpu_memory_gib: memory per accelerator.
+        memory_margin: fraction of ``gpu_memory_gib`` a layout may use (the estimate leaves out
+            the CUDA context, fragmentation and communication buffers).
+        peak_tflops: dense bf16 peak per accelerator (A100 312, H100 SXM 989).
+        mfu: model FLOPs utilisation assumed for GPU-hour estimates.
+        hostfile: DeepSpeed hostfile (``launcher: deepspeed``).
+        master_addr, master_port: rendezvous for ``launcher: deepspeed``.
+        python: interpreter that runs ``launch/pretrain.py``.
+        env: environment for every launch (NCCL settings, ...).
+        slurm: options for ``launcher: slurm``.
+    """
+
+    name: str = "local"
+    launcher: Literal["local", "deepspeed", "slurm"] = "local"
+    gpus_per_node: int = 1
+    gpu_memory_gib: float = 80.0
+    memory_margin: float = 0.9
+    peak_tflops: float = 312.0
+    mfu: float = 0.4
+    hostfile: str | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    python: str = "python"
+    env: dict[str, str] = field(default_factory=dict)
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
+
+
+@dataclass
+class StudySpec:
+    """A scaling study: every size × scheme × seed is one run.
+
+    Attributes:
+        name: the study's name (plan and result files carry it).
+        sizes, schemes: names of ``<sizes_dir>/<size>.yaml`` and ``<schemes_dir>/<scheme>.yaml``.
+        seeds: each seeds both the weights (``model.init_seed``) and the data order (``train.seed``).
+        recipe: the shared recipe every run starts from; paths are relative to the study file.
+        data_prefix: the training corpus (``<prefix>.bin/.idx``), replacing the recipe's sources.
+        tokenizer: sentencepiece model of the corpus (optional).
+        output_dir: run directories go to ``<output_dir>/<size>_<scheme>_s<seed>``.
+        cluster: path to a cluster profile YAML (relative to the study file) or the profile inline.
+        gpus_per_run: accelerators per run: ``default`` and optional per-size entries.
+        search_layout: choose tensor/pipeline/ZeRO/micro-batch/recomputation to fit memory; false keeps
+            each config's own layout (and refuses it if it does not fit).
+        set: ``section.key=value`` overrides applied to every run.
+    """
+
+    name: str
+    sizes: list[str]
+    schemes: list[str]
+    data_prefix: str
+    seeds: list[int] = field(default_factory=lambda: [1234])
+    recipe: str = "../recipes/paper.yaml"
+    sizes_dir: str = "../sizes"
+    schemes_dir: str = "../schemes"
+    tokenizer: str = ""
+    output_dir: str = "runs/study"
+    cluster: str | ClusterProfile = field(default_factory=ClusterProfile)
+    gpus_per_run: dict[str, int] = field(default_factory=lambda: {"default": 8})
+    search_layout: bool = True
+    set: list[str] = field(default_factory=list)
+
+    def gpus_for(self, size: str) -> int:
+        return self.gpus_per_run.get(size, self.gpus_per_run.get("default", 1))
+
+
+@dataclass
+class Study:
+    """A loaded study: the spec, its resolved cluster profile and the folder its paths are relative to."""
+
+    spec: StudySpec
+    cluster: ClusterProfile
+    root: Path
+
+    def path(self, relative: str) -> Path:
+        return (self.root / relative) if not Path(relative).is_absolute() else Path(relative)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.spec.output_dir)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError([f"file not found: {path}"], str(path))
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping"], str(path))
+    return data
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and check a study file and its cluster profile; every problem is reported together."""
+    path = Path(path)
+    spec, problems = from_dict(StudySpec, _read_yaml(path))
+    if problems:
+        raise ConfigError(problems, str(path))
+    cluster = spec.cluster
+    if isinstance(cluster, str):
+        cluster_path = path.parent / cluster
+        cluster, cluster_problems = from_dict(ClusterProfile, _read_yaml(cluster_path))
+        if cluster_problems:
+            raise ConfigError(cluster_problems, str(cluster_path))
+    study = Study(spec=spec, cluster=cluster, root=path.parent)
+    problems = []
+    for key, names, folder in (("sizes", spec.sizes, spec.sizes_dir), ("schemes", spec.schemes, spec.schemes_dir)):
+        if not names:
+            problems.append(f"{key} is empty")
+        problems += [f"{key}: {name!r} has no {study.path(folder) / (name + '.yaml')}"
+                     for name in names if not (study.path(folder) / f"{name}.yaml").is_file()]
+    if not study.path(spec.recipe).is_file():
+        problems.append(f"recipe: file not found: {study.path(spec.recipe)}")
+    if not spec.seeds:
+        problems.append("seeds is empty")
+    if not 0 < cluster.mfu <= 1 or not 0 < cluster.memory_margin <= 1:
+        problems.append("cluster.mfu and cluster.memory_margin must be in (0, 1]")
+    if cluster.launcher == "deepspeed" and not cluster.hostfile:
+        problems.append("cluster.launcher 'deepspeed' needs cluster.hostfile (see launch/hostfile.example)")
+    if problems:
+        raise ConfigError(problems, str(path))
+    return study

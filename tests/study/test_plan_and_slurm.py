@@ -1,0 +1,162 @@
+"""Study planning (layouts, refusals) and SLURM scripts run against a faked SLURM environment."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lnstrain.study.launchers import run_status, training_command
+from lnstrain.study.layout import LayoutError, choose_layout
+from lnstrain.study.plan import format_plan, plan_study
+from lnstrain.study.runs import compose_run_config
+from lnstrain.study.slurm import expand_nodelist, hostfile_text, render_sbatch
+from lnstrain.study.spec import ClusterProfile, SlurmOptions, load_study
+
+REPO = Path(__file__).resolve().parents[2]
+STUDIES = REPO / "configs" / "studies"
+A100 = ClusterProfile(name="a100", launcher="slurm", gpus_per_node=8, gpu_memory_gib=80, memory_margin=0.85)
+
+
+def test_shipped_studies_plan_every_run():
+    for path in sorted(STUDIES.glob("*.yaml")):
+        study = load_study(path)
+        planned = plan_study(study)
+        assert planned and not [p.error for p in planned if p.error], path
+        assert len(planned) == len(study.spec.sizes) * len(study.spec.schemes) * len(study.spec.seeds)
+
+
+def test_1b_never_gets_a_tensor_size_its_ffn_cannot_split():
+    study = load_study(STUDIES / "lns_scaling.yaml")
+    config = compose_run_config(study, "1b", "lns", 1)
+    small_gpu = ClusterProfile(gpus_per_node=8, gpu_memory_gib=12, memory_margin=0.9)
+    choice = choose_layout(config, 8, small_gpu)
+    assert choice.config.parallel.tensor == 1  # 5461 is odd: memory came from ZeRO/pipeline/recompute instead
+    assert any("ffn_hidden_size (5461) must be divisible by parallel.tensor (2)" in n for n in choice.notes)
+    assert choice.memory.total <= 12 * 0.9 * 2**30
+
+
+def test_plan_refuses_what_does_not_fit():
+    study = load_study(STUDIES / "lns_7b.yaml")
+    config = compose_run_config(study, "7b", "lns", 1)
+    with pytest.raises(LayoutError, match="no layout of 2 GPUs fits 85% of 16 GiB"):
+        choose_layout(config, 2, ClusterProfile(gpus_per_node=8, gpu_memory_gib=16, memory_margin=0.85))
+    study.spec.gpus_per_run = {"default": 1}
+    planned = plan_study(study)
+    assert all(p.error for p in planned)
+    assert "Refused (no layout fits)" in format_plan(study, planned)
+    result = subprocess.run([sys.executable, "launch/scaling_study.py", "plan", str(STUDIES / "lns_7b.yaml")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "7b_lns_s1234" in result.stdout and "GPU-h" in result.stdout
+
+
+def test_7b_plan_uses_two_nodes_and_fits():
+    study = load_study(STUDIES / "lns_7b.yaml")
+    [pre_ln, lns] = plan_study(study)
+    row = lns.row()
+    assert row["gpus"] == 16 and row["tensor"] * row["pipeline"] * row["data"] == 16
+    assert row["memory_gib"] <= 80 * 0.85
+    assert lns.gpu_hours == pytest.approx(lns.flops / (312e12 * 0.4) / 3600)
+
+
+def test_expand_nodelist_and_hostfile():
+    assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_nodelist("a[9-10]-ib") == ["a9-ib", "a10-ib"]
+    assert hostfile_text(["n1", "n2"], 8) == "n1 slots=8\nn2 slots=8\n"
+
+
+def test_local_and_deepspeed_commands(tmp_path):
+    config = tmp_path / "c.yaml"
+    assert training_command(config, 1, ClusterProfile())[1:] == [str(REPO / "launch/pretrain.py"), "--config",
+                                                                 str(config)]
+    command = training_command(config, 16, ClusterProfile(launcher="deepspeed", gpus_per_node=8,
+                                                          hostfile="hosts", master_addr="n1"))
+    assert command[:11] == ["deepspeed", "--hostfile", "hosts", "--num_nodes", "2", "--num_gpus", "8",
+                            "--master_addr", "n1", "--master_port", "29500"]
+    with pytest.raises(ValueError, match="do not fit one node"):
+        training_command(config, 16, ClusterProfile(gpus_per_node=8))
+    (tmp_path / "checkpoints" / "global_step3").mkdir(parents=True)
+    assert run_status(tmp_path, 6) == "partial" and run_status(tmp_path / "absent", 6) == "new"
+
+
+FAKE_SRUN = """#!/bin/bash
+# fake srun: run the command once per task of every node with SLURM's per-task variables
+per_node=1
+while [[ "$1" == --* ]]; do [[ "$1" == --ntasks-per-node=* ]] && per_node=${1#*=}; shift; done
+for ((node = 0; node < SLURM_NNODES; node++)); do for ((local = 0; local < per_node; local++)); do
+  SLURM_NODEID=$node SLURM_LOCALID=$local SLURM_PROCID=$((node * per_node + local)) \\
+  SLURM_NTASKS=$((SLURM_NNODES * per_node)) "$@"
+done; done
+"""
+FAKE_DEEPSPEED = """#!/bin/bash
+echo "deepspeed $*" >> "$FAKE_LOG"
+"""
+FAKE_PYTHON = """#!/bin/bash
+if [[ "$1" == launch/slurm/hostfile.py ]]; then exec {real} "$@"; fi
+echo "python $* RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER=$MASTER_ADDR:$MASTER_PORT" >> "$FAKE_LOG"
+"""
+
+
+def run_fake_slurm(tmp_path: Path, mode: str) -> tuple[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("deepspeed", FAKE_DEEPSPEED),
+                       ("fakepython", FAKE_PYTHON.format(real=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    cluster = ClusterProfile(launcher="slurm", gpus_per_node=4, python=str(bin_dir / "fakepython"),
+                             env={"NCCL_DEBUG": "WARN"},
+                             slurm=SlurmOptions(mode=mode, partition="gpu", setup=["echo setup-ran"]))
+    script = render_sbatch("7b_lns_s1", tmp_path, "runs/7b_lns_s1/study_config.yaml", 8, cluster, REPO)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "log"),
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    result = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "setup-ran" in result.stdout
+    return script, (tmp_path / "log").read_text()
+
+
+def test_sbatch_per_node_starts_one_deepspeed_launcher_per_node(tmp_path):
+    script, log = run_fake_slurm(tmp_path, "per_node")
+    for directive in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                      "#SBATCH --partition=gpu", "#SBATCH --signal=TERM@180", "export NCCL_DEBUG=WARN"):
+        assert directive in script
+    lines = log.splitlines()
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        assert line.startswith(f"deepspeed --hostfile {tmp_path}/hostfile.4242 --num_nodes 2 --num_gpus 4 "
+                               f"--master_addr gpu07 --master_port {20000 + 4242} --no_local_rank --no_ssh "
+                               f"--node_rank {node} launch/pretrain.py --config runs/7b_lns_s1/study_config.yaml")
+    assert (tmp_path / "hostfile.4242").read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
+
+
+def test_sbatch_per_rank_gives_every_rank_its_environment(tmp_path):
+    script, log = run_fake_slurm(tmp_path, "per_rank")
+    assert "#SBATCH --ntasks-per-node=4" in script
+    lines = log.splitlines()
+    assert len(lines) == 8
+    for rank, line in enumerate(lines):
+        assert f"RANK={rank} LOCAL_RANK={rank % 4} WORLD_SIZE=8 MASTER=gpu07:{20000 + 4242}" in line
+        assert "launch/pretrain.py --config runs/7b_lns_s1/study_config.yaml" in line
+
+
+def test_sbatch_ssh_mode_is_one_launcher(tmp_path):
+    _, log = run_fake_slurm(tmp_path, "ssh")
+    assert log.count("deepspeed ") == 1 and "--launcher pdsh" in log and "--no_ssh" not in log
+
+
+def test_study_file_problems_are_reported_together(tmp_path):
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "sizes": ["60m", "61m"], "schemes": ["lsn"], "data_prefix": "d",
+                                    "recipe": str(REPO / "configs/recipes/paper.yaml"),
+                                    "sizes_dir": str(REPO / "configs/sizes"),
+                                    "schemes_dir": str(REPO / "configs/schemes"), "seeds": []}))
+    with pytest.raises(Exception) as error:
+        load_study(path)
+    text = str(error.value)
+    assert "'61m' has no" in text and "'lsn' has no" in text and "seeds is empty" in text
