@@ -120,32 +120,36 @@ class SkipCounts:
                          for reason, n in sorted(self.counts.items()))
 
 
-def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, where: str = "") -> list[str | None]:
-    """Decode one record into one text per key (None where that key is skipped; the reason is counted)."""
+def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, path: str = "",
+                 record_no: int = 0) -> list[str | None]:
+    """Decode one record into one text per key (None where that key is skipped; the reason is counted).
+
+    ``path`` and ``record_no`` only name the record in skip reports.
+    """
     try:
         text = record.decode("utf-8")
     except UnicodeDecodeError as e:
-        skips.add("invalid UTF-8", f"{where}: {e.reason} at byte {e.start}", len(keys))
+        skips.add("invalid UTF-8", f"{path} record {record_no}: {e.reason} at byte {e.start}", len(keys))
         return [None] * len(keys)
     if fmt == "txt":
         return [text.strip("\n")] * len(keys)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        skips.add("invalid JSON", f"{where}: {e.msg}", len(keys))
+        skips.add("invalid JSON", f"{path} record {record_no}: {e.msg}", len(keys))
         return [None] * len(keys)
     if not isinstance(obj, dict):
-        skips.add("JSON record not an object", where, len(keys))
+        skips.add("JSON record not an object", f"{path} record {record_no}", len(keys))
         return [None] * len(keys)
     out: list[str | None] = []
     for key in keys:
         value = obj.get(key)
         if not isinstance(value, str):
             reason = f"missing JSON key {key!r}" if value is None else f"JSON key {key!r} not a string"
-            skips.add(reason, f"{where}: keys present: {sorted(obj)[:8]}")
+            skips.add(reason, f"{path} record {record_no}: keys present: {sorted(obj)[:8]}")
             out.append(None)
         elif not value.strip():
-            skips.add("empty document", where)
+            skips.add("empty document", f"{path} record {record_no}")
             out.append(None)
         else:
             out.append(value)
@@ -161,7 +165,7 @@ def iter_documents(paths: list[str], key: str = "text", txt_mode: str = "line",
         empty = True
         for i, record in enumerate(iter_records(path, txt_mode)):
             empty = False
-            text = record_texts(record, fmt, [key], skips, f"{path} record {i + 1}")[0]
+            text = record_texts(record, fmt, [key], skips, path, i + 1)[0]
             if text is not None:
                 yield text
         if empty:

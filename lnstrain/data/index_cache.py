@@ -69,7 +69,8 @@ class IndexCache:
         paths = self._paths(name, keys)
         if not all(os.path.isfile(p) for p in paths.values()):
             return None
-        return {k: np.load(p, mmap_mode="r", allow_pickle=False) for k, p in paths.items()}
+        # plain ndarray views of the maps (indexing an np.memmap subclass is several times slower)
+        return {k: np.load(p, mmap_mode="r", allow_pickle=False).view(np.ndarray) for k, p in paths.items()}
 
     def _save(self, name: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
         try:

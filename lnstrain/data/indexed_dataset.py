@@ -122,7 +122,8 @@ class IndexedDataset:
         if actual == 0:
             self._bin = np.empty(0, self.dtype)
         else:
-            self._bin = np.memmap(self.bin_path, self.dtype, mode="r")
+            # a plain ndarray view of the map: slicing an np.memmap subclass costs Python overhead per call
+            self._bin = np.memmap(self.bin_path, self.dtype, mode="r").view(np.ndarray)
 
     # --- access -------------------------------------------------------------------------------------
     def __len__(self) -> int:

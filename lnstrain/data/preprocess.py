@@ -50,6 +50,7 @@ class PreprocessStats:
     bytes_read: int = 0
     files: int = 0
     seconds: float = 0.0
+    encode_cpu_seconds: float = 0.0  # CPU time spent decoding + tokenizing + packing (all workers together)
     skips: SkipCounts = field(default_factory=SkipCounts)
     outputs: list[str] = field(default_factory=list)
 
@@ -69,14 +70,16 @@ class BatchEncoder:
         self.dtype = token_dtype_for_vocab(self.tok.vocab_size)
 
     def __call__(self, job: tuple[str, str, int, list[bytes]]):
+        cpu0 = time.process_time()
         path, fmt, first_record, records = job
         skips = SkipCounts()
         texts_per_key: list[list[str]] = [[] for _ in self.keys]
         for i, record in enumerate(records):
-            for k, text in enumerate(record_texts(record, fmt, self.keys, skips, f"{path} record {first_record + i}")):
+            for k, text in enumerate(record_texts(record, fmt, self.keys, skips, path, first_record + i)):
                 if text is not None:
                     texts_per_key[k].append(text)
-        return [self._pack(self.tok.encode_batch(texts) if texts else []) for texts in texts_per_key], skips
+        packed = [self._pack(self.tok.encode_batch(texts) if texts else []) for texts in texts_per_key]
+        return packed, skips, time.process_time() - cpu0
 
     def _pack(self, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Concatenate token lists (adding BOS/EOS per document) without a Python loop over tokens."""
@@ -159,8 +162,9 @@ def preprocess(cfg: PreprocessConfig, progress: Callable[[PreprocessStats], None
             results = _ordered_parallel(pool, _jobs(cfg, stats), 2 * cfg.workers)
         else:
             results = map(BatchEncoder(*init_args), _jobs(cfg, stats))
-        for per_key, skips in results:
+        for per_key, skips, cpu_seconds in results:
             stats.skips.merge(skips)
+            stats.encode_cpu_seconds += cpu_seconds
             for writer, (flat, lengths) in zip(writers, per_key):
                 writer.add_documents(flat, lengths)
             stats.documents += len(per_key[0][1])
