@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,6 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
         raise RuntimeError("build_engine needs torch.distributed initialised (launch with torchrun or "
                            "deepspeed, or lnstrain.testing.distributed.run_distributed)")
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-    torch.manual_seed(config.train.seed + 100 * groups.pp_rank + 10007 * groups.dp_rank)
 
     module = _build_module(config, groups)
     mark_tensor_parallel_parameters(module, groups.tp_size)
@@ -168,6 +167,24 @@ class TrainingEngine:
         # gradients sit in param.grad (already averaged over data-parallel ranks) before the step.
         self.has_partial_tp_grads = groups.tp_size > 1 and (
             groups.sequence_parallel or config.model.kv_heads < groups.tp_size)
+        self._before_optimizer_step: Callable[[], None] | None = None
+        if self.is_pipeline:
+            self._hook_pipeline_optimizer_step()
+
+    def _hook_pipeline_optimizer_step(self) -> None:
+        # The pipe engine runs backward, gradient reduction and the step inside train_batch; give
+        # train_step's callback the moment between reduction and step (an instance-level override
+        # of DeepSpeed's instruction table, which it looks up on self).
+        from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+        pipe_step = type(self.engine)._INSTRUCTION_MAP[OptimizerStep]
+
+        def optimizer_step(pipe_engine: Any, **kwargs: Any) -> Any:
+            if self._before_optimizer_step is not None:
+                self._before_optimizer_step()
+            return pipe_step(pipe_engine, **kwargs)
+
+        self.engine._INSTRUCTION_MAP = {**type(self.engine)._INSTRUCTION_MAP, OptimizerStep: optimizer_step}
 
     @property
     def is_pipeline(self) -> bool:
@@ -183,35 +200,44 @@ class TrainingEngine:
                              f"{self.accumulation_steps} per step (train.global_batch_size / "
                              f"(train.micro_batch_size × data-parallel size {self.groups.dp_size}))")
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """Forward, backward and one optimizer step over this rank's share of the global batch."""
+    def train_step(self, micro_batches: list[MicroBatch],
+                   before_optimizer_step: Callable[[], None] | None = None) -> StepResult:
+        """Forward, backward and one optimizer step over this rank's share of the global batch.
+
+        ``before_optimizer_step`` runs on every rank once the gradients are complete (reduced over
+        data-parallel ranks and tied copies) and before clipping and the update: read gradients
+        there with ``deepspeed.utils.safe_get_full_grad``.
+        """
         self._check_count(micro_batches)
         lr = self.scheduler.get_last_lr()[0]
         self.engine.train()
-        if self.is_pipeline:
-            loss = self._pipeline_train(micro_batches)
-        else:
-            loss = self.forward_backward(micro_batches)
+        self._before_optimizer_step = before_optimizer_step
+        try:
+            if self.is_pipeline:
+                loss = self._pipeline_train(micro_batches)
+            else:
+                loss = self._forward_backward_step(micro_batches)
+        finally:
+            self._before_optimizer_step = None
         return StepResult(loss=loss, grad_norm=self._grad_norm(), lr=lr, loss_scale=self._loss_scale(),
                           skipped=not self.engine.was_step_applied())
 
-    def forward_backward(self, micro_batches: list[MicroBatch], step: bool = True) -> float:
-        """Non-pipelined: forward and backward of every micro-batch; the optimizer steps after the
-        last one unless ``step`` is False (tests read gradients there; call ``engine.step()`` after).
+    def _forward_backward_step(self, micro_batches: list[MicroBatch]) -> float:
+        """Pipeline size 1: forward and backward of every micro-batch, then the optimizer step.
         Returns the global batch's token-weighted mean loss."""
-        if self.is_pipeline:
-            raise RuntimeError("forward_backward is for pipeline size 1; pipelines use train_step")
-        weighted, counted = weigh_micro_batches(micro_batches, self.groups, self.device)
+        weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for index, micro in enumerate(weighted):
             logits = self.engine(micro.inputs)
             loss = weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
             self.engine.backward(loss)
             loss_sum += loss.detach().double().cpu()
-            if index == len(weighted) - 1 and self.has_partial_tp_grads:
-                allreduce_sequence_parallel_grads(self.module, self.groups)
-            if step or index < len(weighted) - 1:
-                self.engine.step()
+            if index == len(weighted) - 1:
+                if self.has_partial_tp_grads:
+                    allreduce_sequence_parallel_grads(self.module, self.groups)
+                if self._before_optimizer_step is not None:
+                    self._before_optimizer_step()
+            self.engine.step()
         return self._global_mean(loss_sum / len(weighted))
 
     def _global_mean(self, local_mean_contribution: torch.Tensor) -> float:
