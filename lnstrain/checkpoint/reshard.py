@@ -1,0 +1,114 @@
+"""Resume a checkpoint saved at one (tensor, pipeline, data) layout in another one.
+
+Why our own converter rather than DeepSpeed's universal checkpoint: ``ds_to_universal`` merges
+tensor shards with a few fixed patterns (concatenate along a dim, replicate) and keys parameters by
+the module's names. Our fused QKV weight is a stack of per-part shards (with KV heads replicated
+when there are fewer than ranks), our vocabulary is padded per tensor size, and the same weight is
+``layers.2.attention.qkv_proj.weight`` at pipeline size 1 but ``3.attention.qkv_proj.weight`` in a
+pipeline, so the universal format would need per-parameter patterns and name maps that we already
+have in the layers' ``shard``/``unshard`` and ``param_names``.
+
+What carries over: fp32 master weights, Adam's ``exp_avg``/``exp_avg_sq`` and step count (from
+ZeRO-1/2 checkpoints; a ZeRO-0 or ZeRO-3 source gives weights only, and ``load_resharded`` then
+refuses unless ``require_optimizer_state=False``), the learning-rate schedule, DeepSpeed's step
+counters and lnstrain's data position (consumed samples, so the new data-parallel size reads the
+same next batch). Not carried: RNG states (dropout masks differ from the uninterrupted run), fp16
+loss-scaler state. Every rank reads the whole checkpoint (CPU memory: full model + 2 moments).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lnstrain.checkpoint.layouts import MOMENT_KEYS, FullState, read_full_state, read_saved_layout
+from lnstrain.checkpoint.manager import TrainingPosition
+from lnstrain.checkpoint.metadata import read_metadata
+from lnstrain.checkpoint.sharding import check_full_state_dict, local_shards
+
+logger = logging.getLogger(__name__)
+
+
+def needs_resharding(step_dir: str | Path, layout: tuple[int, int, int]) -> bool:
+    """Whether a checkpoint's (tensor, pipeline, data) layout differs from ``layout``."""
+    saved = read_saved_layout(step_dir)
+    return (saved.tensor, saved.pipeline, saved.data) != tuple(layout)
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    optimizer = engine.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _prime_optimizer_state(engine: Any, step: int) -> None:
+    """Give every flat (or plain) parameter of the torch optimizer Adam state at ``step``, so that
+    DeepSpeed's per-parameter views of the moments exist before the first step."""
+    base = _base_optimizer(engine)
+    for group in base.param_groups:
+        for flat in group["params"]:
+            state = base.state[flat]
+            state["step"] = torch.tensor(float(step))
+            for key in MOMENT_KEYS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+    wrapper = engine.optimizer
+    if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def apply_full_state(engine: Any, module: torch.nn.Module, state: FullState, model_cfg,
+                     require_optimizer_state: bool = True, source: str = "checkpoint") -> None:
+    """Load full weights (and moments) into this rank's DeepSpeed engine, whatever its layout."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    check_full_state_dict(state.weights, model_cfg, source)
+    carry_moments = bool(state.moments) and state.optimizer_step is not None
+    if require_optimizer_state and not carry_moments:
+        raise ValueError(f"{source} has no Adam moments this reader can recover (ZeRO-0 or ZeRO-3 source); "
+                         "resume with weights only by passing require_optimizer_state=False")
+    if carry_moments:
+        _prime_optimizer_state(engine, state.optimizer_step)
+    base = _base_optimizer(engine)
+    moments = ({key: {name: shard for name, _, shard in local_shards(module, state.moments[key])}
+                for key in MOMENT_KEYS} if carry_moments else {})
+    with torch.no_grad():
+        for name, param, shard in local_shards(module, state.weights):
+            param.copy_(shard.to(param.dtype))
+            safe_set_full_fp32_param(param, shard)
+            for key in moments:
+                value = moments[key][name]
+                if hasattr(param, "_hp_mapping"):
+                    safe_set_full_optimizer_state(param, value, key)
+                elif param in base.state:  # no ZeRO wrapper: the torch optimizer holds the parameter
+                    base.state[param][key].copy_(value)
+
+
+def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer_state: bool = True
+                   ) -> TrainingPosition:
+    """Restore ``step_dir`` (saved at any layout) into ``training_engine`` (a ``TrainingEngine`` at
+    this run's layout): weights, optimizer, schedule, step counters; returns the data position.
+
+    Collective only in the sense that every rank calls it; it communicates nothing.
+    """
+    step_dir = Path(step_dir)
+    config = training_engine.config
+    state = read_full_state(step_dir, config)
+    engine = training_engine.engine
+    apply_full_state(engine, training_engine.module, state, config.model, require_optimizer_state, str(step_dir))
+    if state.scheduler_state is not None:
+        scheduler = training_engine.scheduler
+        scheduler.load_state_dict(state.scheduler_state)
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # what the next step uses; the schedule moves it only after that step
+    for key, value in state.engine_counters.items():
+        setattr(engine, key, value)
+    meta = read_metadata(step_dir)
+    logger.info("resharded %s (tensor %d, pipeline %d, data %d) into tensor %d, pipeline %d, data %d: "
+                "step %d, %d samples consumed, %s, optimizer moments %s", step_dir, meta.tensor_parallel,
+                meta.pipeline_parallel, meta.data_parallel, training_engine.groups.tp_size,
+                training_engine.groups.pp_size, training_engine.groups.dp_size, meta.step, meta.consumed_samples,
+                state.weights_source, "carried" if state.moments else "NOT carried")
+    return TrainingPosition(meta.step, meta.consumed_samples, meta.tokens_seen)
