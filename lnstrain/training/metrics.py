@@ -103,6 +103,12 @@ class MetricsLogger:
         self.scalar("eval/loss", loss, step, tokens_seen)
         self.scalar("eval/perplexity", perplexity(loss), step, tokens_seen)
 
+    def record_depth_stats(self, stats: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            from lnstrain.analysis.depth_stats import write_depth_stats
+
+            write_depth_stats(self.writer, stats, step)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()

@@ -50,16 +50,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _depth_stats_module(config: Config):
-    """``lnstrain.analysis.depth_stats`` when per-layer statistics are asked for and available."""
+def _depth_stats_collector(config: Config, module: Any, groups: ParallelGroups):
+    """Per-layer statistics every ``logging.depth_stats_interval`` steps, when asked for and available."""
     if config.logging.depth_stats_interval <= 0:
         return None
     try:
-        from lnstrain.analysis import depth_stats
+        from lnstrain.analysis.depth_stats import DepthStatsCollector
     except ImportError:
         logger.warning("logging.depth_stats_interval is set but lnstrain.analysis.depth_stats is unavailable")
         return None
-    return depth_stats
+    return DepthStatsCollector(module, groups, config.logging.depth_stats_interval, config.model.num_layers)
 
 
 class Trainer:
@@ -93,7 +93,7 @@ class Trainer:
             data_fingerprint(config.data), tokenizer_checksum(config))
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=config.run.dir / "tensorboard" if config.logging.tensorboard else None)
-        self.depth_stats = _depth_stats_module(config)
+        self.depth_stats = _depth_stats_collector(config, self.engine.module, self.groups)
 
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         step_dir, problems = resolve_resume(self.config.checkpoint.resume, self.config.checkpoint_dir)
@@ -140,6 +140,9 @@ class Trainer:
                 if len(batch) < self.accumulation:
                     raise RuntimeError(f"training data ran out at step {position.step + 1} "
                                        f"({position.consumed_samples} samples consumed)")
+                depth_stats_now = self.depth_stats is not None and self.depth_stats.wants(position.step + 1)
+                if depth_stats_now:
+                    self.depth_stats.arm()
                 started = time.perf_counter()
                 step = self.engine.train_step(batch)
                 seconds = time.perf_counter() - started
@@ -150,8 +153,9 @@ class Trainer:
                 self.metrics.record_step(StepMetrics(
                     position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
                     seconds, position.tokens_seen), log_now=position.step % config.logging.interval == 0)
-                if self.depth_stats is not None and position.step % config.logging.depth_stats_interval == 0:
-                    self.depth_stats.record_depth_stats(self.engine, batch, position.step, self.metrics)
+                if depth_stats_now:
+                    self.metrics.record_depth_stats(self.depth_stats.collect(position.step, step.loss_scale or 1.0),
+                                                    position.step)
                 finished = position.step == self.total_steps
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)

@@ -14,15 +14,18 @@ from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_o
 # schedule and data position.
 WITH_DROPOUT = ["model.hidden_dropout=0.1"]
 TOLERANCE = 1e-6
+OBSERVED = ["logging.tensorboard=true", "logging.depth_stats_interval=2"]
 
 
 def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
     from lnstrain.training.trainer import pretrain
 
-    def config(name: str):
-        return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + WITH_DROPOUT, world_size)
+    def config(name: str, *extra: str):
+        overrides = tiny_run_overrides(corpus, root / name) + WITH_DROPOUT + list(extra)
+        return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
-    straight = pretrain(config("straight"), world_size)
+    # TensorBoard and depth statistics only on the straight run: they must not change its losses.
+    straight = pretrain(config("straight", *OBSERVED), world_size)
     interrupted = pretrain(config("resumed"), world_size, stop_at_step=3)
     resumed = pretrain(config("resumed"), world_size)  # checkpoint.resume: auto finds latest
     rerun = pretrain(config("resumed"), world_size)  # already finished: resumes at the end, trains nothing
@@ -45,9 +48,22 @@ def check_resume(results: dict, world_size: int) -> None:
     assert straight.losses[6] < straight.losses[1]  # it trains at all
 
 
+def tensorboard_tags(directory: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
 def test_resume_matches_uninterrupted_run_single_rank(tiny_corpus, tmp_path):
     [results] = run_distributed(straight_and_resumed, 1, tiny_corpus, tmp_path, timeout_s=240)
     check_resume(results, 1)
+    tags = tensorboard_tags(tmp_path / "straight" / "tiny" / "tensorboard")
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_seen",
+                "eval/loss", "eval/perplexity"):
+        assert tag in tags and f"by_tokens/{tag}" in tags, (tag, sorted(tags))
+    assert "depth/residual_variance/layer_02" in tags, sorted(tags)
 
 
 @pytest.mark.multirank

@@ -1,0 +1,74 @@
+"""launch/pretrain.py as users run it: pre-flight errors and a clean stop on SIGTERM (subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lnstrain.checkpoint.metadata import COMPLETE_MARKER, step_of
+from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "launch" / "pretrain.py"
+
+
+def launcher_command(overrides: list[str]) -> list[str]:
+    command = [sys.executable, str(LAUNCHER), "--config", str(TINY_RUN_CONFIG)]
+    for override in overrides:
+        command += ["--set", override]
+    return command
+
+
+def launcher_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return env | {"PYTHONUNBUFFERED": "1"}
+
+
+def test_preflight_reports_every_problem_before_training(tiny_corpus, tmp_path):
+    a_file = tmp_path / "not_a_directory"
+    a_file.write_text("")
+    missing_prefix = tmp_path / "missing" / "tokens"
+    overrides = tiny_run_overrides(tiny_corpus, a_file / "runs") + [
+        f"data.sources=[{{prefix: '{missing_prefix}'}}]", "model.vocab_size=64"]
+    started = time.monotonic()
+    done = subprocess.run(launcher_command(overrides), capture_output=True, text=True, env=launcher_env(),
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert "3 problem(s)" in done.stderr, done.stderr
+    assert f"data.sources[0].prefix: missing {missing_prefix}.bin" in done.stderr
+    assert (f"data.tokenizer {tiny_corpus.tokenizer} has 200 tokens but model.vocab_size is 64; "
+            "set model.vocab_size to at least 200") in done.stderr
+    assert f"run.output_dir: cannot write to {a_file / 'runs' / 'tiny'}" in done.stderr
+    assert "training steps" not in done.stdout  # nothing started
+    assert time.monotonic() - started < 60
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
+    overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [
+        "train.steps=1000", "checkpoint.interval_steps=0", "train.eval_interval=0"]
+    process = subprocess.Popen(launcher_command(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=launcher_env())
+    output = []
+    try:
+        for line in process.stdout:
+            output.append(line)
+            if "step 3/1000" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        output += process.stdout.readlines()
+        assert process.wait(timeout=120) == 0, "".join(output)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = "".join(output)
+    assert "stopping after step" in text and "received SIGTERM" in text, text
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    latest = (checkpoints / "latest").read_text().strip()
+    assert 3 <= step_of(latest) < 1000
+    assert (checkpoints / latest / COMPLETE_MARKER).is_file()
+    assert (tmp_path / "tiny" / "config.yaml").is_file()
