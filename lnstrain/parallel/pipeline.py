@@ -128,6 +128,10 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
                         f"({groups.pp_size}); every stage needs at least one layer")
     if problems:
         raise ValueError("cannot build the pipeline:\n  " + "\n  ".join(problems))
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed's comm wraps torch's
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries
     topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
