@@ -38,12 +38,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def show_progress(stats: PreprocessStats) -> None:
-    print(f"\r{stats.seconds:7.0f}s  {stats.rates()}   ", end="", file=sys.stderr, flush=True)
+class Progress:
+    """The live progress line on stderr (rewritten in place about once a second)."""
+
+    def __init__(self) -> None:
+        self.shown = False
+
+    def __call__(self, stats: PreprocessStats) -> None:
+        self.shown = True
+        print(f"\r{stats.seconds:7.0f}s  {stats.rates()}   ", end="", file=sys.stderr, flush=True)
+
+    def end_line(self) -> str:
+        return "\n" if self.shown else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    progress = Progress()
     try:
         cfg = PreprocessConfig(inputs=expand_inputs(args.input), tokenizer=args.tokenizer,
                                output_prefix=args.output_prefix, json_keys=args.json_keys, txt_mode=args.txt_mode,
@@ -51,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
                                batch_bytes=int(args.batch_mb * (1 << 20)))
         print(f"preprocess_data: {len(cfg.inputs)} file(s) -> {cfg.output_prefix} with {cfg.workers} worker(s)",
               file=sys.stderr, flush=True)
-        stats = preprocess(cfg, None if args.quiet else show_progress)
+        stats = preprocess(cfg, None if args.quiet else progress)
     except KeyboardInterrupt:
-        print("\npreprocess_data: interrupted; no output written", file=sys.stderr)
+        print(f"{progress.end_line()}preprocess_data: interrupted; no output written", file=sys.stderr)
         return 130
     except (OSError, ValueError, ImportError) as e:
-        print(f"\npreprocess_data: error: {e}\nno output written", file=sys.stderr)
+        print(f"{progress.end_line()}preprocess_data: error: {e}\nno output written", file=sys.stderr)
         return 1
-    print(("\n" if not args.quiet else "") + f"done in {stats.seconds:.1f}s: {stats.files} file(s), {stats.rates()}",
+    print(f"{progress.end_line()}done in {stats.seconds:.1f}s: {stats.files} file(s), {stats.rates()}",
           file=sys.stderr)
     print(f"skipped: {stats.skips.report()}", file=sys.stderr)
     for prefix in stats.outputs:

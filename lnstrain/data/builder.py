@@ -12,12 +12,14 @@ from .config import DataConfig, DataSource
 from .fingerprint import file_fingerprint
 from .index_cache import IndexCache
 from .indexed_dataset import IndexedDataset
-from .packed_dataset import build_sample_dataset
+from .packed_dataset import PackedDataset, TruncatePadDataset, build_sample_dataset
 from .splits import documents_to_sequences, split_documents
 from .token_check import check_token_ids
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+SampleDataset = PackedDataset | TruncatePadDataset | BlendedDataset
 
 
 @dataclass
@@ -57,7 +59,7 @@ def _split_parts(cfg: DataConfig) -> tuple[list[_Part], list[_Part]]:
 
 
 def _build_blend(parts: list[_Part], cfg: DataConfig, num_samples: int, seed: int, cache: IndexCache,
-                 pad_id: int, split: str):
+                 pad_id: int, split: str) -> SampleDataset:
     def component(part: _Part, n: int, k: int):
         return build_sample_dataset(part.indexed, part.sequences, mode=cfg.mode, seq_len=cfg.seq_len,
                                     num_samples=n, seed=seed + k, cache=cache, pad_id=pad_id, split=split)
@@ -71,7 +73,7 @@ def _build_blend(parts: list[_Part], cfg: DataConfig, num_samples: int, seed: in
 
 
 def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_samples: int, seed: int,
-                               builds_cache: bool):
+                               builds_cache: bool) -> tuple[SampleDataset, SampleDataset | None]:
     """Training and validation datasets (validation is None when ``valid_samples == 0`` or nothing is held out).
 
     Call on every rank; ``builds_cache=True`` on exactly one (global rank 0): it builds missing index files

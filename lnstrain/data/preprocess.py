@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,7 +42,11 @@ class PreprocessConfig:
 
 @dataclass
 class PreprocessStats:
-    """Running totals; ``skips`` counts every record or document left out and why."""
+    """Running totals; ``skips`` counts every record or document left out and why.
+
+    ``documents`` counts documents written (with several JSON keys: those of the first key);
+    ``tokens`` counts tokens written over all outputs, EOS/BOS included.
+    """
 
     documents: int = 0
     tokens: int = 0

@@ -5,8 +5,6 @@ import json
 import logging
 import os
 
-import numpy as np
-
 from .fingerprint import file_fingerprint
 from .indexed_dataset import IndexedDataset
 
