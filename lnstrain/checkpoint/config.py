@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -20,6 +21,10 @@ class CheckpointConfig:
             checkpoint directory or one ``global_stepN`` directory.
         save_at_end: save when the run finishes.
         allow_data_mismatch: resume even if the data fingerprint or tokenizer checksum changed.
+        init_from: start a fresh run from these weights (continued pretraining): a consolidated
+            ``.safetensors``/``.pt`` state dict, a Hugging Face LLaMA directory or an lnstrain
+            checkpoint of any layout; loaded with ``lnstrain.checkpoint.consolidated_file.load_init_state_dict``.
+            Ignored when the run resumes from its own checkpoint.
     """
 
     dir: str | None = None
@@ -29,6 +34,7 @@ class CheckpointConfig:
     resume: str = "auto"
     save_at_end: bool = True
     allow_data_mismatch: bool = False
+    init_from: str | None = None
 
     def validate(self) -> list[str]:
         problems = []
@@ -38,4 +44,7 @@ class CheckpointConfig:
             problems.append(f"checkpoint.interval_minutes must be > 0 (got {self.interval_minutes})")
         if self.keep_last is not None and self.keep_last < 1:
             problems.append(f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        if self.init_from is not None and not os.path.exists(self.init_from):
+            problems.append(f"checkpoint.init_from: {self.init_from} does not exist (give a .safetensors or .pt "
+                            "state dict, a Hugging Face LLaMA directory or an lnstrain checkpoint directory)")
         return problems

@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Import a Hugging Face LLaMA checkpoint as lnstrain's single-process state dict (continued pretraining).
+
+    python tools/convert_from_hf.py --hf hf/llama --config configs/my_run.yaml --output init.safetensors [--unfold-lns]
+
+The run config's model section must describe the same shape (the differences are listed otherwise).
+Start a run from the result with ``checkpoint.init_from: init.safetensors``. Into an LNS config the
+weights load as they are (LNS then changes the function, and a warning says so); --unfold-lns
+divides out the 1/sqrt(l) factors that tools/convert_to_hf.py folded in, restoring an lnstrain LNS
+export exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lnstrain.checkpoint.consolidated_file import save_consolidated  # noqa: E402
+from lnstrain.checkpoint.hf_io import load_hf_llama_state_dict  # noqa: E402
+from lnstrain.checkpoint.sharding import check_full_state_dict  # noqa: E402
+from lnstrain.config.run_config import load_config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help="Hugging Face LLaMA directory (config.json + safetensors)")
+    parser.add_argument("--config", required=True, help="the lnstrain run YAML whose model to fill")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--output", required=True, help="FILE.safetensors to write")
+    parser.add_argument("--unfold-lns", action="store_true",
+                        help="divide out the 1/sqrt(l) factors an lnstrain LNS export folded into the weights")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    config = load_config(args.config, args.set, validate=False)
+    try:
+        state = load_hf_llama_state_dict(args.hf, config.model, unfold_lns=args.unfold_lns)
+        check_full_state_dict(state, config.model, args.hf)
+    except ValueError as error:
+        print(f"cannot import {args.hf}:\n{error}", file=sys.stderr)
+        return 2
+    save_consolidated(args.output, state, config)
+    print(f"wrote {len(state)} tensors for {args.config}'s model to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

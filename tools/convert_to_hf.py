@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Export an lnstrain checkpoint (any parallel layout) as a Hugging Face LLaMA checkpoint.
+
+    python tools/convert_to_hf.py --checkpoint runs/lns/checkpoints --output hf/lns [--dtype bf16] [--shard-size 5GB]
+
+--checkpoint takes a run directory, its checkpoints/ directory (newest complete step) or one
+global_step<N>. For LayerNorm Scaling the 1/sqrt(l) factors are folded into the weights, so
+transformers' LlamaForCausalLM computes the same logits. Post-LN, DeepNorm, Mix-LN, Sandwich-LN,
+LayerScale and LayerNorm models are refused: plain LLaMA code cannot compute them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lnstrain.checkpoint.hf_io import save_hf_checkpoint  # noqa: E402
+from lnstrain.checkpoint.hf_llama import export_problems  # noqa: E402
+from lnstrain.checkpoint.layouts import read_full_state, read_step_config, resolve_step_dir  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir or global_step<N> dir")
+    parser.add_argument("--output", required=True, help="directory to write the Hugging Face checkpoint to")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="fully unpickle DeepSpeed files that need it (only for files you trust)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    step_dir = resolve_step_dir(args.checkpoint)
+    config = read_step_config(step_dir)
+    problems = export_problems(config.model)
+    if problems:
+        print("cannot export " + str(step_dir) + ":\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    state = read_full_state(step_dir, config, with_optimizer=False, allow_pickle=args.allow_pickle)
+    output = save_hf_checkpoint(state.weights, config.model, args.output, args.dtype, args.shard_size,
+                                config.data.tokenizer or None)
+    print(f"exported {step_dir} ({state.weights_source}, norm_scheme={config.model.norm_scheme.value}) "
+          f"to {output} as {args.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
