@@ -28,9 +28,10 @@ def test_packed_index_matches_brute_force(seq_len, num_samples):
     doc_ids = np.array([0, 2, 3, 5, 7, 8, 11])
     index = build_packed_index(sizes, doc_ids, seq_len, num_samples, seed=5)
     order, sidx = index["doc_order"], index["sample_idx"]
-    reference = _reference_packed(docs, order, seq_len, num_samples)
+    built = len(sidx) - 1  # samples of every epoch touched (>= num_samples); the first num_samples are served
+    reference = _reference_packed(docs, order, seq_len, built)
     stream_docs = np.concatenate([np.full(sizes[d], d) for d in order])
-    for j in range(num_samples):
+    for j in range(built):
         (d0, o0), (d1, o1) = sidx[j], sidx[j + 1]
         got = np.concatenate([docs[order[d0]][o0:]] + [docs[order[d]] for d in range(d0 + 1, d1)]
                              + [docs[order[d1]][:o1 + 1]]) if d0 != d1 else docs[order[d0]][o0:o1 + 1]
@@ -40,7 +41,8 @@ def test_packed_index_matches_brute_force(seq_len, num_samples):
     epoch = len(doc_ids)
     for e in range(len(order) // epoch):
         assert sorted(order[e * epoch:(e + 1) * epoch].tolist()) == doc_ids.tolist()
-    assert sorted(index["shuffle_idx"].tolist()) == list(range(num_samples))
+    shuffle = index["shuffle_idx"]
+    assert len(shuffle) == num_samples and len(set(shuffle.tolist())) == num_samples and shuffle.max() < built
 
 
 def test_shuffle_stays_within_epochs():
@@ -59,6 +61,25 @@ def test_index_determinism_and_seed():
     c = build_packed_index(sizes, np.arange(199), 32, 300, seed=8)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["shuffle_idx"], c["shuffle_idx"])
+
+
+@pytest.mark.parametrize("seq_len", [3, 16])
+def test_longer_run_starts_with_the_shorter_runs_samples(seq_len):
+    """Extending a run (more samples) keeps every sample already served: resume stays exact."""
+    sizes = np.random.default_rng(seq_len).integers(1, 40, 50).astype(np.int32)
+    docs = [np.arange(s) + 1000 * d for d, s in enumerate(sizes)]
+
+    def served(num_samples: int) -> np.ndarray:
+        index = build_packed_index(sizes, np.arange(50), seq_len, num_samples, seed=9)
+        stream = np.concatenate([docs[d] for d in index["doc_order"]])
+        return np.stack([stream[j * seq_len: j * seq_len + seq_len + 1] for j in index["shuffle_idx"]])
+
+    long = served(700)
+    for n in (1, 59, 333):
+        assert np.array_equal(served(n), long[:n])
+    blend = build_blend_index([0.5, 0.25, 0.25], 999)
+    longer = build_blend_index([0.5, 0.25, 0.25], 5000)
+    assert all(np.array_equal(blend[k], longer[k][:999]) for k in blend)
 
 
 def test_truncate_pad_samples(demo_prefix, tokenizer_model, tmp_path):
