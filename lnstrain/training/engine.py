@@ -135,6 +135,9 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size, own_clipping))
+    logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
+                groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
+                config.precision.dtype, engine.gradient_accumulation_steps())
     clip_hook = None
     if own_clipping:
         params = [p for p in module.parameters() if p.requires_grad]
@@ -286,7 +289,9 @@ class TrainingEngine:
     def _loss_scale(self) -> float | None:
         if not self.engine.fp16_enabled():
             return None
-        return float(getattr(self.engine.optimizer, "cur_scale", float("nan")))
+        optimizer = self.engine.optimizer  # FP16_Optimizer: cur_scale; ZeRO optimizers: loss_scale
+        scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
+        return float(scale) if scale is not None else None
 
     @property
     def global_step(self) -> int:

@@ -14,15 +14,12 @@ tied pipeline copies (``ds_pipe_replicated``) on their owning stage only.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def mark_tensor_parallel_parameters(module: nn.Module, tp_size: int) -> int:

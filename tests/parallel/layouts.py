@@ -39,6 +39,7 @@ class Layout:
     tied: bool = False
     checkpointing: str = "none"
     dtype: str = "fp32"
+    sequence_parallel: bool = False
 
     def config(self, steps: int = STEPS) -> Config:
         return make_config(self, steps)
@@ -49,7 +50,7 @@ def make_config(layout: Layout, steps: int = STEPS, num_layers: int = 6) -> Conf
     return Config(
         model=model, data=DataConfig(seq_len=SEQ_LEN),
         parallel=ParallelConfig(tensor=layout.tensor, pipeline=layout.pipeline, zero_stage=layout.zero_stage,
-                                pipeline_partition=layout.partition,
+                                pipeline_partition=layout.partition, sequence_parallel=layout.sequence_parallel,
                                 pipeline_boundaries=list(layout.boundaries) if layout.boundaries else None),
         optim=OptimConfig(name="adamw", lr=3e-3, weight_decay=0.1, warmup_steps=2, grad_clip=1.0),
         train=TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, steps=steps,
@@ -122,7 +123,7 @@ def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[st
     from lnstrain.training.engine import build_engine
 
     config = layout.config(steps)
-    groups = ParallelGroups.build(layout.tensor, layout.pipeline)
+    groups = ParallelGroups.build(layout.tensor, layout.pipeline, layout.sequence_parallel)
     engine = build_engine(config, groups, world_size)
     captured: dict[str, torch.Tensor] = {}
 

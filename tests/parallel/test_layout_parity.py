@@ -20,6 +20,7 @@ from tests.parallel.layouts import STEPS, Layout, layouts_worker, merge_ranks
 REFERENCES = [Layout("reference"), Layout("reference_tied", tied=True)]
 TWO_RANKS = [
     Layout("tp2", tensor=2),
+    Layout("tp2_sequence_parallel", tensor=2, sequence_parallel=True),
     Layout("pp2", pipeline=2, zero_stage=1),
     Layout("pp2_tied_uniform", pipeline=2, tied=True, partition="uniform"),
     Layout("dp2_zero1", zero_stage=1),
