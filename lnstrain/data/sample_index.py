@@ -67,7 +67,8 @@ def build_packed_index(sizes: np.ndarray, doc_ids: np.ndarray, seq_len: int, num
     # shuffle within epochs: epoch e holds the samples starting in tokens [e*T, (e+1)*T)
     bounds = -(-np.arange(num_epochs + 1, dtype=np.int64) * tokens_per_epoch // seq_len)
     sdtype, rng = _index_dtype(total_samples), _rng(seed, 1)
-    shuffle_idx = np.concatenate([a + rng.permutation(b - a).astype(sdtype) for a, b in zip(bounds[:-1], bounds[1:])])
+    shuffle_idx = np.concatenate([(rng.permutation(b - a) + a).astype(sdtype)
+                                  for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())])
     return {"doc_order": doc_order, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx[:num_samples]}
 
 
