@@ -175,3 +175,18 @@ def test_cli_tools_end_to_end(tmp_path, demo_corpus):
                           "--tokenizer", str(tmp_path / "tok/spm.model"), "--output-prefix", str(tmp_path / "x")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "matches no file" in bad.stderr
+
+
+def test_large_vocabulary_writes_int32(tmp_path, demo_corpus, demo_prefix, tokenizer_model, megatron_reader,
+                                       monkeypatch):
+    """A vocabulary of >= 65,500 gives int32 token files (Megatron's rule); same tokens as the uint16 run."""
+    import lnstrain.data.preprocess as pre
+
+    monkeypatch.setattr(pre, "token_dtype_for_vocab", lambda vocab_size: np.int32)  # as for a 65,500+ vocab
+    prefix = str(tmp_path / "wide")
+    preprocess(PreprocessConfig(inputs=[os.path.join(demo_corpus, "train.jsonl")], tokenizer=tokenizer_model,
+                                output_prefix=prefix))
+    dtype, seqs, _ = megatron_reader(prefix)
+    assert dtype == "int32" and IndexedDataset(prefix).dtype == np.int32
+    narrow = IndexedDataset(demo_prefix)
+    assert seqs[:50] == [narrow[i].tolist() for i in range(50)]
