@@ -89,11 +89,14 @@ def build_sample_dataset(indexed: IndexedDataset, doc_ids: np.ndarray, *, mode: 
         "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
     }
     name = f"{os.path.basename(indexed.prefix)}_{split}_{mode}_{hash_description(description)}"
-    if mode == "packed":
-        index = cache.get_or_build(name, description, lambda: build_packed_index(
-            indexed.sizes, doc_ids, seq_len, num_samples, seed))
-        return PackedDataset(indexed, index, seq_len)
-    if mode == "truncate_pad":
+    if mode not in ("packed", "truncate_pad"):
+        raise ValueError(f"data.mode must be 'packed' or 'truncate_pad' (got {mode!r})")
+    try:
+        if mode == "packed":
+            index = cache.get_or_build(name, description, lambda: build_packed_index(
+                indexed.sizes, doc_ids, seq_len, num_samples, seed))
+            return PackedDataset(indexed, index, seq_len)
         index = cache.get_or_build(name, description, lambda: build_truncate_pad_index(doc_ids, num_samples, seed))
         return TruncatePadDataset(indexed, index, seq_len, pad_id)
-    raise ValueError(f"data.mode must be 'packed' or 'truncate_pad' (got {mode!r})")
+    except ValueError as e:
+        raise ValueError(f"{indexed.prefix} ({split} split, {len(doc_ids)} sequences): {e}") from e

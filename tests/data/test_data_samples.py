@@ -213,3 +213,11 @@ def test_fingerprint_follows_content_not_path(demo_prefix, copy_prefix, tmp_path
         f.write(b"\x07\x00")
     assert file_fingerprint(copy) != file_fingerprint(demo_prefix)
     shutil.rmtree(tmp_path)
+
+
+def test_empty_source_error_names_the_file(tmp_path, megatron_writer):
+    prefix = str(tmp_path / "hollow")
+    megatron_writer(prefix, [[[]], [[]]])  # two documents without tokens
+    cfg = DataConfig(sources=[DataSource(prefix)], seq_len=8, valid_fraction=0.0, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"hollow \(train split, 2 sequences\): .*hold no tokens"):
+        build_train_valid_datasets(cfg, 4, 0, seed=0, builds_cache=True)
