@@ -112,3 +112,16 @@ def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer
                 training_engine.groups.pp_size, training_engine.groups.dp_size, meta.step, meta.consumed_samples,
                 state.weights_source, "carried" if state.moments else "NOT carried")
     return TrainingPosition(meta.step, meta.consumed_samples, meta.tokens_seen)
+
+
+def initialize_from(training_engine: Any, path: str | Path, unfold_lns: bool = False) -> None:
+    """``checkpoint.init_from``: this rank's shards of the weights at ``path`` (a consolidated file, a
+    Hugging Face LLaMA directory or an lnstrain checkpoint of any layout) into the live engine, fp32
+    masters included; the optimizer, schedule and data position start fresh (continued pretraining)."""
+    from lnstrain.checkpoint.consolidated_file import load_init_state_dict
+
+    model_cfg = training_engine.config.model
+    state = FullState(weights=load_init_state_dict(path, model_cfg, unfold_lns))
+    apply_full_state(training_engine.engine, training_engine.module, state, model_cfg,
+                     require_optimizer_state=False, source=str(path))
+    logger.info("initialised the model from %s", path)

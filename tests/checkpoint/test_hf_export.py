@@ -232,3 +232,29 @@ def test_init_from_accepts_consolidated_pt_and_hf(tmp_path):
         assert all(torch.equal(loaded[k], v) for k, v in state.items()), source
     with pytest.raises(StateDictMismatchError, match="in the file but not in the model"):
         load_init_state_dict(tmp_path / "x.safetensors", cfg)
+
+
+def test_convert_from_hf_tool_writes_an_init_file(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from lnstrain.checkpoint.consolidated_file import load_consolidated
+    from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG
+
+    cfg = tiny_cfg(norm_scheme="lns", vocab_size=256, num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64,
+                   rope_theta=10000.0)
+    original = perturbed_model(cfg).state_dict()
+    save_hf_checkpoint(original, cfg, tmp_path / "hf", dtype="fp32")
+    tool_path = Path(__file__).resolve().parents[2] / "tools" / "convert_from_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_from_hf", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    output = tmp_path / "init.safetensors"
+    args = ["--hf", str(tmp_path / "hf"), "--config", str(TINY_RUN_CONFIG), "--output", str(output)]
+    assert tool.main(args + ["--unfold-lns"]) == 0
+    config, state = load_consolidated(output)
+    assert config.model.norm_scheme.value == "lns"
+    for name, tensor in original.items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-6, atol=0, msg=name)
+    assert tool.main(args + ["--set", "model.ffn_hidden_size=96"]) == 2
+    assert "config.json intermediate_size=64 but model.ffn_hidden_size=96" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Checkpoints of sharded layouts read back as the single-process model, and the tools on top.
 
-One 4-rank spawn loads a known full state dict into engines at (tensor 2, pipeline 2) untied and
+One 4-rank spawn loads a known full state dict (``initialize_from``, as ``checkpoint.init_from``) into engines at (tensor 2, pipeline 2) untied and
 tied, and (tensor 2, data 2) with the single KV head replicated under ZeRO-0, and saves each. The
 readers must give back exactly that state dict (fp32 masters from ZeRO partitions or the module
 weights), whatever the split; the vocabulary is padded differently at tensor sizes 1 and 2
@@ -41,9 +41,9 @@ def _config(corpus: TinyCorpus, directory: Path, case: str, world_size: int):
 
 
 def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict[str, str]:
-    from lnstrain.checkpoint.layouts import FullState
+    from lnstrain.checkpoint.consolidated_file import save_consolidated
     from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
-    from lnstrain.checkpoint.reshard import apply_full_state
+    from lnstrain.checkpoint.reshard import initialize_from
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine
 
@@ -53,9 +53,9 @@ def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path
         config = _config(corpus, root, case, world_size)
         groups = ParallelGroups.build(config.parallel.tensor, config.parallel.pipeline)
         training = build_engine(config, groups, world_size)
-        known = perturbed_model(config.model).state_dict()
-        apply_full_state(training.engine, training.module, FullState(weights=known), config.model,
-                         require_optimizer_state=False)
+        init_file = save_consolidated(root / f"known_{case}_rank{rank}.safetensors",
+                                      perturbed_model(config.model).state_dict())
+        initialize_from(training, init_file)  # what checkpoint.init_from does
         manager = CheckpointManager(config, world_size, (groups.tp_size, groups.pp_size, groups.dp_size), None, None)
         saved[case] = str(manager.save(training.engine, TrainingPosition(step=1, consumed_samples=8)))
     return saved
