@@ -1,0 +1,195 @@
+"""What gets timed: one optimizer step of a model on synthetic tokens.
+
+Every runner trains on the same fixed random batch (``synthetic_micro_batches``): the data
+pipeline is not part of the step (``tools/benchmark_data.py`` measures it). Kinds:
+
+* ``engine``: the real lnstrain path, ``build_engine(config, groups, world_size).train_step`` (DeepSpeed,
+  our optimizer, our clipping, any parallel layout).
+* ``model``: the lnstrain ``Transformer`` with torch's AdamW and plain forward/backward/step, exactly
+  as the Hugging Face baseline (``hf_baseline``) is driven, so the two compare models, not engines.
+  Its step is split into forward, backward and optimizer time (cheap: one device sync per phase).
+
+Mixed precision in the plain runners is torch autocast over fp32 weights (the DeepSpeed engine keeps
+bf16 weights and fp32 master weights instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lnstrain.config.run_config import Config
+from lnstrain.model.block import TransformerBlock
+from lnstrain.model.config import NormScheme
+from lnstrain.parallel.groups import ParallelGroups
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthetic_micro_batches(config: Config, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` micro-batches of uniform random tokens, ``{"tokens": int64 [mb, seq + 1]}`` on the CPU."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (config.train.micro_batch_size, config.data.seq_len + 1)
+    return [{"tokens": torch.randint(0, config.model.vocab_size, shape, generator=generator)}
+            for _ in range(count)]
+
+
+def autocast_for(device: torch.device, dtype_name: str) -> contextlib.AbstractContextManager:
+    """Autocast for ``precision.dtype`` in the plain runners: none for fp32, bf16 autocast for bf16."""
+    if dtype_name == "fp32":
+        return contextlib.nullcontext()
+    if dtype_name == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    raise ValueError(f"precision.dtype {dtype_name!r}: the model and hf runners support fp32 and bf16 "
+                     "(fp16 needs loss scaling; use --runner engine)")
+
+
+def adamw_for(params: list[nn.Parameter], config: Config, device: torch.device) -> torch.optim.AdamW:
+    """torch AdamW with the config's hyper-parameters: fused kernel on CUDA, foreach elsewhere."""
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optim = config.optim
+    return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                             weight_decay=optim.weight_decay, **kernel)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """Join the launcher's process group, or make a one-rank group for a plain ``python`` launch."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        from lnstrain.testing.distributed import distributed_env, free_port
+
+        os.environ.update(distributed_env(0, 1, free_port()))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+class StepRunner(ABC):
+    """One optimizer step per call of ``step`` (returns the loss, which waits for the device)."""
+
+    kind: str
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.device = device
+        self.last_phases: dict[str, float] | None = None
+
+    @abstractmethod
+    def step(self) -> float: ...
+
+
+class PlainRunner(StepRunner):
+    """forward -> backward -> clip -> AdamW step over ``micro_batches``; subclasses give the loss."""
+
+    def __init__(self, name: str, model: nn.Module, config: Config, device: torch.device,
+                 micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        super().__init__(name, device)
+        self.model = model.to(device).train()
+        self.config = config
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = adamw_for(self.params, config, device)
+        tokens = [batch["tokens"].to(device) for batch in micro_batches]
+        self.batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+    @abstractmethod
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def _mark(self, start: float, phase: str, phases: dict[str, float]) -> float:
+        synchronize(self.device)
+        now = time.perf_counter()
+        phases[phase] += now - start
+        return now
+
+    def step(self) -> float:
+        phases = dict.fromkeys(PHASES, 0.0)
+        total = torch.zeros((), device=self.device)
+        now = time.perf_counter()
+        for inputs, labels in self.batches:
+            with autocast_for(self.device, self.config.precision.dtype):
+                loss = self.loss(inputs, labels) / len(self.batches)
+            now = self._mark(now, "forward", phases)
+            loss.backward()
+            total += loss.detach()
+            now = self._mark(now, "backward", phases)
+        if self.config.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._mark(now, "optimizer", phases)
+        self.last_phases = phases
+        return total.item()
+
+
+class ModelRunner(PlainRunner):
+    """The lnstrain ``Transformer`` (single process) driven like the baseline."""
+
+    kind = "model"
+
+    def __init__(self, name: str, config: Config, device: torch.device,
+                 micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        from lnstrain.model.transformer import Transformer
+
+        mode = config.train.activation_checkpointing
+        if mode == "selective":
+            raise ValueError("train.activation_checkpointing: 'selective' is not supported by the model yet "
+                             "(TransformerBlock checkpoints whole layers); use 'full' or 'none'")
+        model = Transformer(config.model, ParallelGroups.single_process())
+        model.set_activation_checkpointing(mode == "full")
+        if config.train.compile:
+            for block in model.modules():
+                if isinstance(block, TransformerBlock):
+                    block.compile()
+        super().__init__(name, model, config, device, micro_batches)
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(inputs, labels)
+
+
+class EngineRunner(StepRunner):
+    """``TrainingEngine.train_step``: the DeepSpeed engine lnstrain trains with."""
+
+    kind = "engine"
+
+    def __init__(self, name: str, config: Config, world_size: int, micro_batches: list[dict[str, torch.Tensor]],
+                 device: torch.device) -> None:
+        from lnstrain.training.engine import build_engine
+
+        ensure_process_group(device)
+        par = config.parallel
+        groups = ParallelGroups.build(par.tensor, par.pipeline, par.sequence_parallel)
+        self.engine = build_engine(config, groups, world_size)
+        super().__init__(name, self.engine.device)
+        self.micro_batches = micro_batches
+
+    def step(self) -> float:
+        return self.engine.train_step(self.micro_batches).loss
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """A runner to build: its kind (``engine``, ``model``, ``hf``) and the config it runs."""
+
+    name: str
+    kind: str
+    config: Config
+
+
+def with_norm_scheme(config: Config, scheme: str) -> Config:
+    """``config`` with ``model.norm_scheme`` replaced (the model section is copied, not shared)."""
+    return config.replace(model=dataclasses.replace(config.model, norm_scheme=NormScheme(scheme)))

@@ -1,0 +1,91 @@
+"""tools/benchmark.py end to end on the tiny shape: the JSON has every field and sane values.
+
+No timing assertions: the figures depend on the machine."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lnstrain.benchmark.report import REQUIRED_FIELDS, RUNNER_FIELDS, SCHEMA
+from lnstrain.estimate.flops import flops_per_token
+from lnstrain.model.presets import model_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "configs/bench/tiny.yaml"
+
+
+def load_tool():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return benchmark
+
+
+def check_document(doc: dict, runner_names: list[str]) -> None:
+    assert doc["schema"] == SCHEMA
+    assert all(key in doc for key in REQUIRED_FIELDS)
+    assert doc["shape"]["tokens_per_step"] == 4 * 16
+    model = model_preset("tiny", vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=64, max_seq_len=32, make_vocab_size_divisible_by=64)
+    assert doc["flops"]["per_token_noncausal"] == flops_per_token(model, 16).noncausal
+    assert [run["name"] for run in doc["runners"]] == runner_names
+    for run in doc["runners"]:
+        assert all(key in run for key in RUNNER_FIELDS)
+        timing, rate = run["step_time_s"], run["throughput"]
+        assert len(timing["samples"]) == 2 and 0 < timing["min"] <= timing["median"] <= timing["max"]
+        assert rate["tokens_per_s"] == pytest.approx(64 / timing["median"])
+        assert rate["tflops_per_device"] > rate["tflops_per_device_causal"] > 0
+        assert abs(run["last_loss"] - math.log(256)) < 1.0     # random init: about ln(vocabulary)
+    assert [c["runner"] for c in doc["comparisons"]] == runner_names[1:]
+    for comp in doc["comparisons"]:
+        assert comp["ci95"][0] <= comp["median_ratio"] <= comp["ci95"][1] and comp["pairs"] == 2
+
+
+def test_model_runner_in_process_with_mfu_from_given_peak(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        doc = load_tool().main(["--config", TINY, "--runner", "model", "--baseline", "none", "--schemes", "lns,pre_ln",
+                                "--warmup", "1", "--steps", "2", "--peak-tflops", "1.0", "--threads", "1",
+                                "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    check_document(doc, ["lnstrain-model[lns]", "lnstrain-model[pre_ln]"])
+    run = doc["runners"][0]
+    assert set(run["breakdown_s"]) == {"forward", "backward", "optimizer"}
+    assert run["throughput"]["mfu"] == pytest.approx(run["throughput"]["tflops_per_device"] / 1.0)
+    assert doc["peak"]["source"] == "--peak-tflops" and doc["environment"]["torch_threads"] == 1
+    assert "lnstrain-model[lns]" in capsys.readouterr().out
+
+
+def test_engine_runner_beside_the_hf_baseline(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "tools/benchmark.py", "--config", TINY, "--warmup", "1", "--steps", "2",
+                             "--baseline", "hf", "--json", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    check_document(doc, ["lnstrain-engine[lns]", "hf-llama"])
+    assert doc["runners"][0]["breakdown_s"] is None and doc["runners"][1]["breakdown_s"] is not None
+    assert doc["peak"]["tflops"] is None and doc["runners"][0]["throughput"]["mfu"] is None
+    assert doc["memory"]["runner_kind"] == "engine" and doc["memory"]["peak_rss_bytes"] > 0
+
+
+def test_bad_options_are_reported_together_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool().main(["--config", TINY, "--schemes", "lns,pre_nl", "--steps", "0", "--set", "train.micro_batch_size=3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown norm scheme 'pre_nl'" in err and "--steps >= 1" in err
+    assert "train.global_batch_size (4) must be divisible by train.micro_batch_size" in err

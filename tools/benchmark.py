@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Training-step throughput of lnstrain, beside Hugging Face LLaMA and across norm schemes.
+
+    python tools/benchmark.py --config configs/bench/cpu_small.yaml --json bench.json
+    python tools/benchmark.py --config configs/bench/1b_seq2048.yaml --schemes lns,pre_ln   # one GPU
+    deepspeed --num_gpus 8 tools/benchmark.py --config configs/bench/1b_seq2048.yaml --baseline none
+
+Every runner trains on a fixed random batch (the data pipeline is excluded). After --warmup steps
+each, the runners take --steps steps interleaved (A B, B A, ...) so that load on a shared machine
+hits all alike; the report gives the median step time, tokens/s (global and per device), achieved
+TFLOP/s and MFU with FLOPs per token 6N + 12·L·h·s (attention non-causal, the Megatron-LM /
+torchtitan / OLMo convention; causal figures beside), a forward/backward/optimizer split for the
+plain runners, paired step-time ratios against the first runner with 95% intervals, and the peak
+memory next to the --dry-run estimate. Exit status 2: a bad config or option, nothing was timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lnstrain.benchmark.hf_baseline import BaselineUnavailable, HFRunner, transformers_version  # noqa: E402
+from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak  # noqa: E402
+from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
+from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
+                                       shape)
+from lnstrain.benchmark.runners import (EngineRunner, ModelRunner, RunnerSpec, StepRunner,  # noqa: E402
+                                        synthetic_micro_batches, with_norm_scheme)
+from lnstrain.benchmark.throughput import throughput  # noqa: E402
+from lnstrain.benchmark.timing import paired_ratio, summarize  # noqa: E402
+from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.run_config import Config, load_config  # noqa: E402
+from lnstrain.estimate.flops import flops_per_token  # noqa: E402
+from lnstrain.estimate.validation import split_file_problems  # noqa: E402
+from lnstrain.model.config import NormScheme  # noqa: E402
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run description (YAML); data files are not needed")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.compile=true (repeatable)")
+    parser.add_argument("--runner", choices=("engine", "model"), default="engine",
+                        help="lnstrain side: the DeepSpeed training engine (default) or the bare model with "
+                             "torch AdamW, driven exactly like the baseline")
+    parser.add_argument("--baseline", choices=("auto", "hf", "none"), default="auto",
+                        help="Hugging Face LlamaForCausalLM of the same shape: auto = when transformers is "
+                             "installed and the run has one rank")
+    parser.add_argument("--schemes", default=None,
+                        help="comma-separated norm schemes to time side by side, e.g. lns,pre_ln "
+                             "(default: the config's)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per runner (default 3)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (default 10)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak bf16 TFLOP/s per device for MFU (default: detected from the GPU name)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice, one per core)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON here (rank 0)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def fail(problems: list[str], source: str) -> None:
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    print(f"benchmark: {len(problems)} problem(s) in {source}; nothing was timed:\n{lines}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark: --device cuda but torch sees no CUDA device")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def check_options(args: argparse.Namespace, config: Config, world_size: int) -> tuple[list[str], list[str]]:
+    """(problems, schemes): every problem with the options and the config, found before anything runs."""
+    problems, _missing_data = split_file_problems(config, world_size)
+    if args.warmup < 0 or args.steps < 1:
+        problems.append(f"--warmup must be >= 0 and --steps >= 1 (got {args.warmup}, {args.steps})")
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads must be >= 1 (got {args.threads})")
+    schemes = args.schemes.split(",") if args.schemes else [NormScheme(config.model.norm_scheme).value]
+    known = [s.value for s in NormScheme]
+    problems += [f"--schemes: unknown norm scheme {s!r}; known: {', '.join(known)}" for s in schemes if s not in known]
+    if args.runner == "model" and world_size > 1:
+        problems.append("--runner model is single-process; launch it with python, or use --runner engine")
+    if args.baseline == "hf" and transformers_version() is None:
+        problems.append("--baseline hf: transformers is not installed (pip install 'lnstrain[hf]')")
+    return problems, schemes
+
+
+def runner_specs(args: argparse.Namespace, config: Config, schemes: list[str], world_size: int,
+                 notes: list[str]) -> list[RunnerSpec]:
+    specs = [RunnerSpec(f"lnstrain-{args.runner}[{s}]", args.runner, with_norm_scheme(config, s)) for s in schemes]
+    if args.baseline == "none":
+        return specs
+    if world_size > 1:
+        notes.append("Hugging Face baseline skipped: it runs on one rank only (launch with python)")
+    elif transformers_version() is None:
+        notes.append("Hugging Face baseline skipped: transformers is not installed (pip install 'lnstrain[hf]')")
+    else:
+        specs.append(RunnerSpec("hf-llama", "hf", with_norm_scheme(config, "pre_ln")))
+    return specs
+
+
+def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torch.device) -> StepRunner:
+    accumulation = spec.config.grad_accumulation_steps(world_size)
+    batches = synthetic_micro_batches(spec.config, accumulation, rank_seed)
+    if spec.kind == "engine":
+        return EngineRunner(spec.name, spec.config, world_size, batches, device)
+    if spec.kind == "model":
+        return ModelRunner(spec.name, spec.config, device, batches)
+    return HFRunner(spec.name, spec.config, device, batches)
+
+
+def time_interleaved(runners: list[StepRunner], steps: int
+                     ) -> tuple[list[list[float]], list[list[dict]], list[float]]:
+    """Per-runner step seconds, phase splits and last loss; the runners alternate order every step."""
+    seconds: list[list[float]] = [[] for _ in runners]
+    phases: list[list[dict]] = [[] for _ in runners]
+    losses = [float("nan")] * len(runners)
+    for step in range(steps):
+        order = list(enumerate(runners))
+        for index, runner in (order if step % 2 == 0 else reversed(order)):
+            start = time.perf_counter()
+            losses[index] = runner.step()
+            seconds[index].append(time.perf_counter() - start)
+            if runner.last_phases is not None:
+                phases[index].append(runner.last_phases)
+    return seconds, phases, losses
+
+
+def slowest_rank(seconds: list[list[float]]) -> list[list[float]]:
+    """Each step's time on the slowest rank (the step is as slow as its slowest rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return seconds
+    table = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return table.tolist()
+
+
+def median_phases(phases: list[dict]) -> dict[str, float] | None:
+    if not phases:
+        return None
+    return {key: float(torch.tensor([p[key] for p in phases]).median()) for key in phases[0]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        config = load_config(args.config, args.overrides, world_size, validate=False)
+    except ConfigError as error:
+        fail(error.problems, args.config)
+    problems, schemes = check_options(args, config, world_size)
+    if problems:
+        fail(problems, args.config)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    peak = resolve_peak(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", args.peak_tflops)
+    notes: list[str] = []
+    specs = runner_specs(args, config, schemes, world_size, notes)
+
+    runners: list[tuple[RunnerSpec, StepRunner]] = []
+    memory = None
+    for index, spec in enumerate(specs):
+        reset_peak(device)
+        try:
+            runner = build_runner(spec, world_size, args.seed + rank, device)
+        except BaselineUnavailable as error:
+            notes.append(f"{spec.name} skipped: {error}")
+            continue
+        for _ in range(args.warmup):
+            runner.step()
+        if index == 0:
+            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device))
+        runners.append((spec, runner))
+    seconds, phases, losses = time_interleaved([runner for _, runner in runners], args.steps)
+    seconds = slowest_rank(seconds)
+
+    flops = flops_per_token(config.model, config.data.seq_len)
+    results = []
+    for (spec, runner), times, split, loss in zip(runners, seconds, phases, losses):
+        timing = summarize(times)
+        rate = throughput(timing.median, config.tokens_per_step, flops, world_size, peak.tflops)
+        results.append({"name": runner.name, "kind": runner.kind,
+                        "norm_scheme": NormScheme(spec.config.model.norm_scheme).value,
+                        "step_time_s": timing.to_dict(), "throughput": rate.to_dict(),
+                        "breakdown_s": median_phases(split), "last_loss": loss})
+    comparisons = [paired_ratio(run["name"], times, results[0]["name"], seconds[0]).to_dict()
+                   for run, times in zip(results[1:], seconds[1:])]
+    doc = {
+        "schema": SCHEMA,
+        "command": shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]),
+        "environment": environment(device, world_size),
+        "shape": shape(config, world_size),
+        "flops": flops_section(flops),
+        "peak": {"tflops": peak.tflops, "dtype": "bf16 dense", "source": peak.source},
+        "protocol": {"warmup_steps": args.warmup, "timed_steps": args.steps, "order": "interleaved, alternating",
+                     "data": "fixed synthetic batch", "step_time": "slowest rank per step"},
+        "runners": results,
+        "comparisons": comparisons,
+        "memory": memory,
+        "notes": notes,
+    }
+    if rank == 0:
+        print(format_report(doc))
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
