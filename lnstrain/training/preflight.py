@@ -11,8 +11,10 @@ import os
 import uuid
 from pathlib import Path
 
+import yaml
+
 from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
-from lnstrain.checkpoint.metadata import read_metadata
+from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata
 from lnstrain.config.run_config import Config
 
 logger = logging.getLogger(__name__)
@@ -54,11 +56,25 @@ def writable_dir_problems(path: Path, key: str) -> list[str]:
     return []
 
 
+def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
+    """The model shape must be the checkpoint's (DeepSpeed would fail later, after the queue wait)."""
+    try:
+        saved = yaml.safe_load((step_dir / CONFIG_FILE).read_text(encoding="utf-8")).get("model", {})
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        return [f"checkpoint.resume: cannot read {step_dir / CONFIG_FILE}: {error}"]
+    return [f"model.{key} is {value!r} but the checkpoint {step_dir} has {saved.get(key)!r}; resume with the "
+            f"checkpoint's model, or start a new run (another run.name, or checkpoint.resume: none)"
+            for key, value in config.to_dict()["model"].items() if saved.get(key) != value]
+
+
 def resume_problems(config: Config, compare_data: bool = True) -> list[str]:
-    """The checkpoint to resume from exists, is complete and (``compare_data``) was trained on this
-    run's data and tokenizer."""
+    """The checkpoint to resume from exists, is complete, has this run's model shape and
+    (``compare_data``) was trained on this run's data and tokenizer."""
     step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    if step_dir is None or problems or config.checkpoint.allow_data_mismatch or not compare_data:
+    if step_dir is None or problems:
+        return problems
+    problems = model_mismatch_problems(config, step_dir)
+    if config.checkpoint.allow_data_mismatch or not compare_data:
         return problems
     from lnstrain.data.fingerprint import data_fingerprint
 
@@ -67,7 +83,7 @@ def resume_problems(config: Config, compare_data: bool = True) -> list[str]:
         fingerprint = data_fingerprint(config.data)
     except (OSError, ValueError) as error:
         return [f"checkpoint.resume: cannot read {step_dir}: {error}"]
-    return data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
+    return problems + data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
 
 
 def preflight_problems(config: Config, world_size: int) -> list[str]:

@@ -17,7 +17,8 @@ from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 
 
 def fake_checkpoint(directory: Path, step: int, complete: bool = True, latest: bool = True,
-                    fingerprint: str | None = "data", tokenizer: str | None = "tok", **layout) -> Path:
+                    fingerprint: str | None = "data", tokenizer: str | None = "tok", config_yaml: str = "model: {}\n",
+                    **layout) -> Path:
     """A step directory with lnstrain's metadata (and no model files): enough for everything but loading."""
     step_dir = directory / f"global_step{step}"
     step_dir.mkdir(parents=True)
@@ -25,7 +26,7 @@ def fake_checkpoint(directory: Path, step: int, complete: bool = True, latest: b
                     tokenizer_checksum=tokenizer, lnstrain_version="0", world_size=1, tensor_parallel=1,
                     pipeline_parallel=1, data_parallel=1, zero_stage=1, precision="fp32") | layout
     (step_dir / METADATA_FILE).write_text(CheckpointMetadata(**metadata).to_json())
-    (step_dir / "config.yaml").write_text("model: {}\n")
+    (step_dir / "config.yaml").write_text(config_yaml)
     if complete:
         (step_dir / COMPLETE_MARKER).write_text("")
     if latest:
@@ -95,7 +96,8 @@ def test_data_mismatch_is_an_error_naming_both_fingerprints(tiny_corpus, tmp_pat
 
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
     ours, our_tokenizer = data_fingerprint(config.data), tokenizer_checksum(config)
-    fake_checkpoint(config.checkpoint_dir, 2, fingerprint="f" * 64, tokenizer=our_tokenizer)
+    fake_checkpoint(config.checkpoint_dir, 2, fingerprint="f" * 64, tokenizer=our_tokenizer,
+                    config_yaml=config.to_yaml())
     [problem] = resume_problems(config)
     assert f"the checkpoint's data fingerprint is {'f' * 64}, this run's is {ours}" in problem
     assert "set checkpoint.allow_data_mismatch: true to resume anyway" in problem
@@ -108,9 +110,13 @@ def test_matching_data_resumes(tiny_corpus, tmp_path):
     from lnstrain.training.preflight import resume_problems, tokenizer_checksum
 
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
-    fake_checkpoint(config.checkpoint_dir, 2, fingerprint=data_fingerprint(config.data),
-                    tokenizer=tokenizer_checksum(config))
+    step_dir = fake_checkpoint(config.checkpoint_dir, 2, fingerprint=data_fingerprint(config.data),
+                               tokenizer=tokenizer_checksum(config), config_yaml=config.to_yaml())
     assert resume_problems(config) == []
+    config.model.hidden_size = 64  # another model shape
+    assert resume_problems(config) == [
+        f"model.hidden_size is 64 but the checkpoint {step_dir} has 32; resume with the checkpoint's model, "
+        "or start a new run (another run.name, or checkpoint.resume: none)"]
     config.checkpoint.resume = "none"
     assert "already holds checkpoints" in resume_problems(config)[0]
 
