@@ -38,9 +38,12 @@ class StopController:
         max_wallclock_minutes: stop (and save) before this much time has passed since construction;
             the margin is the slowest step plus the slowest save seen so far.
         save_interval_minutes: ask for a save when this much time passed since ``last_save_time``.
+        device: where the flags live for the all-reduce (the accelerator with NCCL).
     """
 
-    def __init__(self, max_wallclock_minutes: float | None, save_interval_minutes: float | None) -> None:
+    def __init__(self, max_wallclock_minutes: float | None, save_interval_minutes: float | None,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.started = time.monotonic()
         self.deadline_s = None if max_wallclock_minutes is None else 60.0 * max_wallclock_minutes
         self.save_interval_s = None if save_interval_minutes is None else 60.0 * save_interval_minutes
@@ -69,7 +72,8 @@ class StopController:
         out_of_time = (self.deadline_s is not None and
                        now - self.started + self.slowest_step_s + self.slowest_save_s >= self.deadline_s)
         save_due = self.save_interval_s is not None and now - last_save_time >= self.save_interval_s
-        flags = torch.tensor([self.received is not None, out_of_time, save_due], dtype=torch.int32)
+        flags = torch.tensor([self.received is not None, out_of_time, save_due], dtype=torch.int32,
+                             device=self.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, out_of_time, save_due = (bool(v) for v in flags.tolist())

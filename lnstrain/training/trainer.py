@@ -127,7 +127,8 @@ class Trainer:
         config = self.config
         position, resumed_from = self.resume()
         result = TrainingResult(position, resumed_from=str(resumed_from) if resumed_from else None)
-        stop = StopController(config.train.max_wallclock_minutes, config.checkpoint.interval_minutes).install()
+        stop = StopController(config.train.max_wallclock_minutes, config.checkpoint.interval_minutes,
+                              self.engine.device).install()
         micro_batches = iterate_micro_batches(self.train_data, position.consumed_samples, self.global_batch,
                                               self.micro_batch, self.groups.dp_rank, self.groups.dp_size)
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
