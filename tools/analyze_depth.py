@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="config override, e.g. --set model.norm_scheme=lns (repeatable)")
     p.add_argument("--compare", nargs="+", metavar="RUN",
                    help="runs to put side by side: analysis folders/JSON files, or checkpoints (need --data)")
-    p.add_argument("--names", nargs="+", help="display names of the runs (default: folder names)")
+    p.add_argument("--names", nargs="+", help="display names of the runs (default: saved names, or run.name)")
     p.add_argument("--name", help="display name of the single run (default: its norm scheme)")
     data = p.add_argument_group("validation data")
     data.add_argument("--data", help="validation token-file prefix (<prefix>.bin/.idx); "
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def analyze_one(args: argparse.Namespace, name: str | None, **source: str | None) -> DepthAnalysis:
+def analyze_one(args: argparse.Namespace, name: str | None, name_from_run: bool = False,
+                **source: str | None) -> DepthAnalysis:
     config, model = load_for_analysis(**source, overrides=args.overrides, device=args.device)
     prefix = args.data or (config.data.valid_sources[0].prefix if config.data.valid_sources else None)
     if prefix is None:
@@ -84,7 +85,7 @@ def analyze_one(args: argparse.Namespace, name: str | None, **source: str | None
         separator = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
         items = load_multiple_choice(args.mc_task, tokenizer.encode, context_prefix=separator)
     scheme = config.model.norm_scheme
-    name = name or getattr(scheme, "value", str(scheme))
+    name = name or (config.run.name if name_from_run else getattr(scheme, "value", str(scheme)))
     print(f"{name}: {config.model.num_layers} layers, {len(batches)} batches of {seq_len} tokens from {prefix}")
     return analyze_model(model, batches, name=name, items=items, near_identity_threshold=args.threshold)
 
@@ -99,7 +100,7 @@ def load_run(args: argparse.Namespace, path: str, name: str | None) -> DepthAnal
         if name:
             run.name = name
         return run
-    return analyze_one(args, name or location.resolve().parent.name, checkpoint=path)
+    return analyze_one(args, name, name_from_run=True, checkpoint=path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """A single-process `Transformer` with a trained model's weights, for the depth analysis.
 
 Two sources: a checkpoint of any parallel layout, through the checkpoint package's
-`load_consolidated_state_dict(path) -> (Config, state_dict)`; or a plain state-dict file
+`load_consolidated_state_dict(path) -> (Config, state_dict)` (run, checkpoint or global_step
+directory); or a plain state-dict file
 (`torch.save(model.state_dict())` of a single-process model) plus the run's YAML config.
 """
 
@@ -55,17 +56,25 @@ def build_model(config: Config, state_dict: dict[str, torch.Tensor], source: str
     return model.to(device).eval()
 
 
+def _consolidated_reader():
+    """The checkpoint package's reader: any layout (`layouts`), else tensor = pipeline = 1 (`consolidate`)."""
+    try:
+        from lnstrain.checkpoint.layouts import load_consolidated_state_dict
+    except ImportError:
+        try:
+            from lnstrain.checkpoint.consolidate import load_consolidated_state_dict
+        except ImportError as e:
+            raise RuntimeError("this lnstrain cannot read checkpoints yet; pass --state-dict FILE.pt "
+                               "--config RUN.yaml instead of --checkpoint") from e
+    return load_consolidated_state_dict
+
+
 def load_for_analysis(*, checkpoint: str | None = None, state_dict: str | None = None,
                       config: str | None = None, overrides: Sequence[str] = (),
                       device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
     """(run config, model) from a checkpoint, or from a state-dict file and its YAML config."""
     if checkpoint is not None:
-        try:
-            from lnstrain.checkpoint.consolidate import load_consolidated_state_dict
-        except ImportError as e:
-            raise RuntimeError("this lnstrain has no lnstrain.checkpoint.consolidate yet; pass "
-                               "--state-dict FILE.pt --config RUN.yaml instead of --checkpoint") from e
-        run_config, weights = load_consolidated_state_dict(checkpoint)
+        run_config, weights = _consolidated_reader()(checkpoint)
         return run_config, build_model(run_config, weights, checkpoint, device)
     if state_dict is None or config is None:
         raise ValueError("give --checkpoint DIR, or both --state-dict FILE.pt and --config RUN.yaml")

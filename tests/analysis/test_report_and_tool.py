@@ -1,0 +1,101 @@
+"""Report files, the JSON round trip, and tools/analyze_depth.py end to end on a token file."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
+from lnstrain.analysis.eval_data import validation_batches
+from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.data.indexed_writer import IndexedDatasetWriter
+from tests.analysis.conftest import silence_layers, tiny_model
+from tools.analyze_depth import main as analyze_depth
+
+
+@pytest.fixture
+def two_runs(batches) -> list[DepthAnalysis]:
+    silent = analyze_model(silence_layers(tiny_model(num_layers=3)), batches, name="pre_ln")
+    active = analyze_model(tiny_model(num_layers=3, norm_scheme="lns"), batches, name="lns")
+    return [silent, active]
+
+
+def test_json_round_trip_and_csvs(two_runs, tmp_path):
+    report = write_report(two_runs, tmp_path, plots=False)
+    assert read_analyses(tmp_path)[1].to_dict() == two_runs[1].to_dict()
+    with open(tmp_path / "lns_pruning.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["layer"]) for r in rows] == [1, 2, 3]
+    assert float(rows[1]["delta_loss"]) == pytest.approx(two_runs[1].pruning[1].delta_loss)
+    with open(tmp_path / "lns_angular.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3 + 2 + 1  # (l, n) with l + n <= L + 1
+    with open(tmp_path / "pre_ln_variance.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4  # embedding output + 3 layers
+    text = report.read_text()
+    assert "| | pre_ln | lns |" in text and "3 of 3" in text and "lns ΔP (loss)" in text
+
+
+def test_plots_when_matplotlib_is_there(two_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    report = write_report(two_runs, tmp_path)
+    for name in ("variance.png", "pruning.png", "angular_pre_ln.png", "angular_lns.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+        assert f"]({name})" in report.read_text()
+
+
+def test_run_names_must_differ(two_runs, tmp_path):
+    with pytest.raises(ValueError, match="run names must differ"):
+        write_report([two_runs[0], two_runs[0]], tmp_path)
+
+
+def write_tokens(prefix, count: int = 2000, vocab: int = 100) -> None:
+    tokens = np.random.default_rng(0).integers(0, vocab, count).astype(np.uint16)
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        for document in np.array_split(tokens, 10):
+            writer.add_document(document)
+
+
+def test_validation_batches_are_consecutive_windows(tmp_path):
+    write_tokens(tmp_path / "valid", count=100)
+    batches = validation_batches(str(tmp_path / "valid"), seq_len=9, num_samples=50, batch_size=4)
+    assert [len(b.tokens) for b in batches] == [4, 4, 2]  # 100 // 10 windows
+    torch.testing.assert_close(batches[0].labels[0, :-1], batches[0].tokens[0, 1:])
+    with pytest.raises(ValueError, match="token id .* >= the model's vocab_size 50"):
+        validation_batches(str(tmp_path / "valid"), seq_len=9, num_samples=5, batch_size=4, vocab_size=50)
+
+
+def test_tool_single_runs_then_compare(tmp_path, capsys):
+    write_tokens(tmp_path / "valid")
+    config = {"model": {"preset": "tiny", "num_layers": 3, "num_kv_heads": 4, "norm_scheme": "pre_ln"},
+              "data": {"sources": [{"prefix": str(tmp_path / "valid")}], "seq_len": 16},
+              "train": {"steps": 1}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    for scheme in ("pre_ln", "lns"):
+        model = tiny_model(num_layers=3, norm_scheme=scheme, init_seed=7)
+        torch.save({"module": {f"module.{k}": v for k, v in model.state_dict().items()}}, tmp_path / f"{scheme}.pt")
+        assert analyze_depth(["--state-dict", str(tmp_path / f"{scheme}.pt"), "--config", str(tmp_path / "run.yaml"),
+                              "--set", f"model.norm_scheme={scheme}", "--data", str(tmp_path / "valid"),
+                              "--num-samples", "12", "--batch-size", "4", "--output", str(tmp_path / scheme),
+                              "--no-plots"]) == 0
+        saved = read_analyses(tmp_path / scheme)[0]
+        assert saved.name == scheme and saved.norm_scheme == scheme and saved.validation_tokens == 12 * 16
+        batches = validation_batches(str(tmp_path / "valid"), 16, 12, 4)
+        assert saved.baseline.loss == pytest.approx(analyze_model(model, batches).baseline.loss, rel=1e-6)
+    assert analyze_depth(["--compare", str(tmp_path / "pre_ln"), str(tmp_path / "lns" / "depth_analysis.json"),
+                          "--output", str(tmp_path / "compare"), "--no-plots"]) == 0
+    data = json.loads((tmp_path / "compare" / "depth_analysis.json").read_text())
+    assert [run["name"] for run in data["runs"]] == ["pre_ln", "lns"]
+    assert "report:" in capsys.readouterr().out
+
+
+def test_tool_explains_missing_inputs(tmp_path):
+    with pytest.raises(SystemExit):
+        analyze_depth(["--output", str(tmp_path)])
+    torch.save({"bogus": torch.zeros(1)}, tmp_path / "bad.pt")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "train": {"steps": 1}}))
+    with pytest.raises(ValueError, match="parameter names do not match"):
+        analyze_depth(["--state-dict", str(tmp_path / "bad.pt"), "--config", str(tmp_path / "run.yaml"),
+                       "--data", "x", "--output", str(tmp_path / "out")])
