@@ -121,6 +121,27 @@ class Trainer:
             result.eval_losses[position.step] = loss
             self.metrics.record_eval(position.step, position.tokens_seen, loss)
 
+    def _step(self, batch: list, position: TrainingPosition, result: TrainingResult) -> float:
+        """One optimizer step, its metrics and (when due) depth statistics; returns its duration."""
+        config = self.config
+        depth_stats_now = self.depth_stats is not None and self.depth_stats.wants(position.step + 1)
+        if depth_stats_now:
+            self.depth_stats.arm()
+        started = time.perf_counter()
+        step = self.engine.train_step(batch)
+        seconds = time.perf_counter() - started
+        position.step += 1
+        position.consumed_samples += self.global_batch
+        position.tokens_seen += config.tokens_per_step
+        result.losses[position.step] = float(step.loss)
+        self.metrics.record_step(StepMetrics(
+            position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
+            seconds, position.tokens_seen), log_now=position.step % config.logging.interval == 0)
+        if depth_stats_now:
+            stats = self.depth_stats.collect(position.step, step.loss_scale or 1.0)
+            self.metrics.record_depth_stats(stats, position.step)
+        return seconds
+
     def train(self, stop_at_step: int | None = None) -> TrainingResult:
         """Train to ``config.total_steps``, or stop (saving) early on a signal, the wall-clock limit or
         at ``stop_at_step`` (what a signal would do, at a chosen step: for tests and staged runs)."""
@@ -141,22 +162,7 @@ class Trainer:
                 if len(batch) < self.accumulation:
                     raise RuntimeError(f"training data ran out at step {position.step + 1} "
                                        f"({position.consumed_samples} samples consumed)")
-                depth_stats_now = self.depth_stats is not None and self.depth_stats.wants(position.step + 1)
-                if depth_stats_now:
-                    self.depth_stats.arm()
-                started = time.perf_counter()
-                step = self.engine.train_step(batch)
-                seconds = time.perf_counter() - started
-                position.step += 1
-                position.consumed_samples += self.global_batch
-                position.tokens_seen += config.tokens_per_step
-                result.losses[position.step] = float(step.loss)
-                self.metrics.record_step(StepMetrics(
-                    position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
-                    seconds, position.tokens_seen), log_now=position.step % config.logging.interval == 0)
-                if depth_stats_now:
-                    self.metrics.record_depth_stats(self.depth_stats.collect(position.step, step.loss_scale or 1.0),
-                                                    position.step)
+                seconds = self._step(batch, position, result)
                 finished = position.step == self.total_steps
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
