@@ -2,7 +2,12 @@
 tensor-parallel ranks.
 
 Query heads are split evenly. Key/value heads are split too when there are at least as
-many as ranks; otherwise each rank holds the one KV head its query heads use (replicated).
+many as ranks; otherwise each rank holds the one KV head its query heads use (replicated), and
+the tp / num_kv_heads neighbouring ranks sharing a head sum its gradient in backward (over the
+group `with_kv_head_groups` builds).
+
+`checkpoint_core` (selective activation checkpointing) recomputes the attention core,
+softmax(q k^T) v, in backward instead of keeping what it saves: the inputs q, k, v are kept.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.rotary import RotaryEmbedding
@@ -20,6 +26,14 @@ from lnstrain.parallel.mappings import enter_tp_region
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
+
+
+def with_kv_head_groups(cfg: ModelConfig, groups: ParallelGroups) -> ParallelGroups:
+    """``groups`` plus the groups of tensor ranks that share a replicated KV head, when there are
+    fewer KV heads than ranks (collective: every rank calls it when building the model)."""
+    if cfg.kv_heads >= groups.tp_size or groups.tp_size % cfg.kv_heads:
+        return groups
+    return groups.with_tp_replica_groups(groups.tp_size // cfg.kv_heads)
 
 
 class Attention(nn.Module):
@@ -31,6 +45,7 @@ class Attention(nn.Module):
         self.local_heads = cfg.num_heads // tp
         self.local_kv_heads = max(cfg.kv_heads // tp, 1)
         self.dropout = cfg.attention_dropout
+        self.checkpoint_core = False
 
         q = OutputPart("q", cfg.num_heads * cfg.head_dim, cfg.num_heads)
         k = OutputPart("k", cfg.kv_heads * cfg.head_dim, cfg.kv_heads)
@@ -58,9 +73,16 @@ class Attention(nn.Module):
         k = k.view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rotary(q, k)
-        out = F.scaled_dot_product_attention(
+        if self.checkpoint_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            out = self.core(q, k, v)
+        out = out.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
+        return self.o_proj(out)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim]."""
+        return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.local_kv_heads != self.local_heads,
         )
-        out = out.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
-        return self.o_proj(out)

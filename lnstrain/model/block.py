@@ -14,7 +14,7 @@ from lnstrain.model.init import init_weights
 from lnstrain.model.mlp import SwiGLUMLP
 from lnstrain.model.norm_schemes import Placement, block_layout
 from lnstrain.model.norms import build_norm
-from lnstrain.parallel.sequence_parallel import mark_sequence_parallel
+from lnstrain.parallel.sequence_parallel import sequence_parallel_params
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -28,8 +28,9 @@ class LayerScale(nn.Module):
         self.init_value = init_value
         self.gain = nn.Parameter(torch.full((size,), init_value))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gain
+    def forward(self, x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        """``gain`` stands in for ``self.gain`` (see ``norms``)."""
+        return x * (self.gain if gain is None else gain)
 
     def reset_parameters(self) -> None:
         nn.init.constant_(self.gain, self.init_value)
@@ -45,12 +46,20 @@ class TransformerBlock(nn.Module):
     LayerScale adds a learnable gain on f's output in the Pre placement.
 
     In/out: hidden states [batch, seq, hidden] (sequence-sharded under sequence parallelism).
+
+    Activation checkpointing (``set_activation_checkpointing``): ``full`` recomputes the whole layer
+    in backward, keeping only its input; ``selective`` recomputes only the attention core.
     """
+
+    REPLICATED = ("attention_norm", "attention_output_norm", "attention_layerscale",
+                  "mlp_norm", "mlp_output_norm", "mlp_layerscale")
+    """The children whose parameters are replicated over the tensor group (norms, LayerScale)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, groups: ParallelGroups) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.init_prefix = f"layer{layer_number}"
+        self.groups = groups
         self.layout = block_layout(cfg, layer_number)
         self.checkpoint_activations = False
 
@@ -66,10 +75,6 @@ class TransformerBlock(nn.Module):
         self.attention_layerscale = LayerScale(cfg.hidden_size, layerscale) if layerscale else None
         self.mlp_layerscale = LayerScale(cfg.hidden_size, layerscale) if layerscale else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-
-        for name, module in self.named_children():
-            if name.endswith(("norm", "layerscale")) and module is not None:
-                mark_sequence_parallel(module, groups)
         init_weights(self, cfg)
 
     @property
@@ -77,27 +82,39 @@ class TransformerBlock(nn.Module):
         """The LayerNorm Scaling factor this layer applies (1.0 when the scheme has none)."""
         return self.layout.norm_output_scale * self.layout.sublayer_output_scale
 
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """``none``, ``full`` (recompute the layer) or ``selective`` (recompute the attention core)."""
+        if mode not in ("none", "full", "selective"):
+            raise ValueError(f"activation checkpointing must be 'none', 'full' or 'selective', got {mode!r}")
+        self.checkpoint_activations = mode == "full"
+        self.attention.checkpoint_core = mode == "selective"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._residual(x, self.attention, self.attention_norm, self.attention_output_norm,
-                           self.attention_layerscale)
-        return self._residual(x, self.mlp, self.mlp_norm, self.mlp_output_norm, self.mlp_layerscale)
+        # Under sequence parallelism the replicated parameters come back as stand-ins whose
+        # gradients are summed over the tensor group (one all-reduce for the whole layer).
+        params = sequence_parallel_params({name: getattr(self, name) for name in self.REPLICATED}, self.groups)
+        x = self._residual(x, self.attention, "attention", params)
+        return self._residual(x, self.mlp, "mlp", params)
 
-    def _residual(self, x: torch.Tensor, sublayer: nn.Module, norm: nn.Module,
-                  output_norm: nn.Module | None, layerscale: LayerScale | None) -> torch.Tensor:
+    def _apply_child(self, name: str, x: torch.Tensor, params: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        child = getattr(self, name)
+        return x if child is None else child(x, *params.get(name, ()))
+
+    def _residual(self, x: torch.Tensor, sublayer: nn.Module, prefix: str,
+                  params: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
         layout = self.layout
+        norm = f"{prefix}_norm"
         if layout.placement == Placement.POST:
             residual = x * layout.residual_scale if layout.residual_scale != 1.0 else x
-            return norm(residual + self.dropout(sublayer(x)))
-        y = sublayer(norm(x))
-        if output_norm is not None:
-            y = output_norm(y)
-        if layerscale is not None:
-            y = layerscale(y)
+            return self._apply_child(norm, residual + self.dropout(sublayer(x)), params)
+        y = sublayer(self._apply_child(norm, x, params))
+        y = self._apply_child(f"{prefix}_output_norm", y, params)
+        y = self._apply_child(f"{prefix}_layerscale", y, params)
         if layout.sublayer_output_scale != 1.0:
             y = y * layout.sublayer_output_scale
         return x + self.dropout(y)

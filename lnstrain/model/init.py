@@ -73,6 +73,7 @@ def _init_layer(module: nn.Module, prefix: str, cfg: ModelConfig, seed: int) -> 
             module.reset_parameters()
         return
     module.weight.copy_(module.shard(full))
+    module.mark_weight()
 
 
 @torch.no_grad()

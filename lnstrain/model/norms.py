@@ -3,6 +3,10 @@
 y = normalize(x) * (weight * output_scale) (+ bias * output_scale): the multiplier costs an
 O(hidden) op on the weight, nothing per activation. `output_scale` is a plain float
 attribute (LNS uses it), never a parameter or buffer.
+
+`forward(x, *params)` may be given stand-ins for the module's own parameters (same values, in
+`parameters()` order): under sequence parallelism the block routes them through an autograd
+function that sums their gradients over the tensor group.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ class RMSNorm(nn.Module):
         self.output_scale = float(output_scale)
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gain = self.weight * self.output_scale if self.output_scale != 1.0 else self.weight
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        gain = weight * self.output_scale if self.output_scale != 1.0 else weight
         if fused_rms_norm_affine is not None and x.is_cuda:
-            return fused_rms_norm_affine(x, gain, self.weight.shape, self.eps)
+            return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
         x32 = x.float()
         normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normalized.type_as(x) * gain
@@ -49,11 +54,13 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.bias = nn.Parameter(torch.zeros(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        bias = self.bias if bias is None else bias
         if self.output_scale != 1.0:
             weight, bias = weight * self.output_scale, bias * self.output_scale
-        return F.layer_norm(x, self.weight.shape, weight, bias, self.eps)
+        return F.layer_norm(x, weight.shape, weight, bias, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lnstrain.model.attention import with_kv_head_groups
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.init import init_weights
@@ -19,7 +20,7 @@ from lnstrain.model.norm_schemes import has_final_norm
 from lnstrain.model.norms import build_norm
 from lnstrain.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, VocabParallelEmbedding, vocab_parallel_logits
-from lnstrain.parallel.sequence_parallel import mark_sequence_parallel
+from lnstrain.parallel.sequence_parallel import sequence_parallel_params
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -51,14 +52,18 @@ class OutputStage(nn.Module):
         self.init_prefix = "output"
         self.groups = groups
         self.final_norm = build_norm(cfg) if has_final_norm(cfg.norm_scheme) else nn.Identity()
-        mark_sequence_parallel(self.final_norm, groups)
         padded = cfg.padded_vocab_size(groups.tp_size)
         self.head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.hidden_size, [OutputPart("vocab", padded, padded)], groups)
         init_weights(self, cfg)
 
+    def normalize(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm (its gain's gradient summed over the tensor group under sequence parallelism)."""
+        params = sequence_parallel_params({"final_norm": self.final_norm}, self.groups)
+        return self.final_norm(hidden, *params.get("final_norm", ()))
+
     def forward(self, hidden: torch.Tensor, tied_embedding_weight: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.final_norm(hidden)
+        hidden = self.normalize(hidden)
         if self.head is not None:
             return self.head(hidden)
         if tied_embedding_weight is None:
@@ -82,6 +87,7 @@ class Transformer(nn.Module):
         problems = cfg.validate(groups.tp_size)
         if problems:
             raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
+        groups = with_kv_head_groups(cfg, groups)
         self.cfg = cfg
         self.groups = groups
         self.embedding = EmbeddingStage(cfg, groups)
@@ -100,6 +106,9 @@ class Transformer(nn.Module):
         """Mean cross-entropy of predicting labels[b, t] from tokens[b, :t+1]."""
         return language_model_loss(self(tokens), labels, self.cfg, self.groups, loss_mask)
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """``none``, ``full`` or ``selective`` (see ``TransformerBlock``); True means ``full``."""
+        if isinstance(mode, bool):
+            mode = "full" if mode else "none"
         for layer in self.layers:
-            layer.checkpoint_activations = enabled
+            layer.set_activation_checkpointing(mode)

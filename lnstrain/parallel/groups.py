@@ -11,6 +11,7 @@ pipeline engine, which builds its own grid from the same topology, agrees with o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class RankLayout:
     def dp_groups(self) -> list[list[int]]:
         return [[self.rank(p, d, t) for d in range(self.dp_size)]
                 for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
+
+    def tp_replica_groups(self, copies: int) -> list[list[int]]:
+        """Each tensor group cut into blocks of ``copies`` neighbouring ranks (those holding one replicated unit)."""
+        return [ranks[start:start + copies] for ranks in self.tp_groups() for start in range(0, self.tp_size, copies)]
 
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank(p, d, t) for p in range(self.pp_size)]
@@ -109,6 +114,9 @@ class ParallelGroups:
     dp_ranks: tuple[int, ...] = (0,)
     # Real group handles even for axes of size 1 (DeepSpeed insists on a handle): (tp, pp, dp).
     mpu_groups: tuple[ProcessGroup, ProcessGroup, ProcessGroup] = (None, None, None)
+    # (copies, handle) of this rank's block of `copies` neighbouring tensor ranks, 1 < copies < tp:
+    # the ranks holding the same replicated unit (a key/value head); see with_tp_replica_groups.
+    tp_replica_handles: tuple[tuple[int, ProcessGroup], ...] = ()
 
     @classmethod
     def single_process(cls) -> "ParallelGroups":
@@ -153,6 +161,38 @@ class ParallelGroups:
         logger.info("rank %d: tensor %d/%d, pipeline %d/%d, data %d/%d", rank, tp_rank, tensor,
                     pp_rank, pipeline, dp_rank, layout.dp_size)
         return groups
+
+    def with_tp_replica_groups(self, copies: int) -> "ParallelGroups":
+        """These groups plus this rank's block of ``copies`` neighbouring tensor ranks.
+
+        A unit (key/value head) split over fewer pieces than there are tensor ranks is held by
+        ``copies = tp / pieces`` neighbouring ranks, whose gradients must be summed. Collective: every
+        rank of the world calls it with the same ``copies``, in the same order (the model does, when
+        built). Returns ``self`` when nothing is needed: ``copies`` 1 or tp (the tensor group itself),
+        groups without communication, or blocks already built.
+        """
+        if self.tp_size % copies:
+            raise ValueError(f"{copies} copies do not divide tensor size {self.tp_size}")
+        if not 1 < copies < self.tp_size or self.tp_group is None or copies in dict(self.tp_replica_handles):
+            return self
+        layout = RankLayout(tp_size=self.tp_size, pp_size=self.pp_size, dp_size=self.dp_size)
+        rank, mine = dist.get_rank(), None
+        for ranks in layout.tp_replica_groups(copies):  # new_group is collective: every rank creates every group
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return dataclasses.replace(self, tp_replica_handles=(*self.tp_replica_handles, (copies, mine)))
+
+    def tp_replica_group(self, copies: int) -> ProcessGroup:
+        """The group of the ``copies`` neighbouring tensor ranks that hold the same unit as this rank."""
+        if copies == self.tp_size:
+            return self.tp_group
+        handles = dict(self.tp_replica_handles)
+        if copies not in handles:
+            raise RuntimeError(f"no group of {copies} neighbouring tensor ranks: build the model with "
+                               f"Transformer / build_pipeline_module, or call groups.with_tp_replica_groups({copies}) "
+                               "on every rank first")
+        return handles[copies]
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,12 @@ the shards of all ranks back together (`unshard`); init and checkpoint conversio
 A column-parallel weight is a stack of named `OutputPart`s (e.g. q, k, v), each sharded on
 its own, so that a fused projection's shard holds this rank's slice of every part. A part
 made of fewer units (heads) than there are ranks is replicated: rank r holds unit
-r * units // tp, and its gradient is a partial sum (see `allreduce_replicated_grads`).
+r * units // tp, shared with its tp / units neighbours, and each copy sees only its own
+rank's uses; backward sums the copies' gradients over those neighbours, inside autograd.
+
+Each sharded weight carries the attributes DeepSpeed (and lnstrain's own clipping) read:
+`tensor_model_parallel` (count this rank's gradient in the global norm; parameters without it
+are counted on tensor rank 0 only), `partition_dim` and `partition_stride` (as Megatron sets them).
 """
 
 from __future__ import annotations
@@ -16,11 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lnstrain.parallel.mappings import enter_tp_region, exit_tp_region, gather_from_tp
+from lnstrain.parallel.mappings import enter_tp_region, exit_tp_region, gather_from_tp, linear_summing_replica_grads
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -43,6 +47,28 @@ class OutputPart:
     def is_replicated(self, tp_size: int) -> bool:
         return self.units < tp_size
 
+    def copies(self, tp_size: int) -> int:
+        """How many neighbouring tensor ranks hold each piece (1 when sharded)."""
+        return tp_size // min(self.units, tp_size)
+
+
+class ShardedWeightLayer(nn.Module):
+    """A layer whose ``weight`` is cut across tensor ranks along ``partition_dim``."""
+
+    partition_dim: int
+    groups: ParallelGroups
+    weight: nn.Parameter
+
+    def weight_counted_here(self) -> bool:
+        """Whether this rank's weight gradient belongs in the global gradient norm."""
+        return self.groups.tp_size > 1
+
+    def mark_weight(self) -> None:
+        """Set the weight's markers (init_weights sets them again: ``to_empty`` makes new Parameters)."""
+        self.weight.tensor_model_parallel = self.weight_counted_here()
+        self.weight.partition_dim = self.partition_dim
+        self.weight.partition_stride = 1
+
 
 def _check_parts(parts: Sequence[OutputPart], tp_size: int) -> None:
     for part in parts:
@@ -51,13 +77,15 @@ def _check_parts(parts: Sequence[OutputPart], tp_size: int) -> None:
             raise ValueError(f"part {part} cannot be split across tensor-parallel size {tp_size}")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedWeightLayer):
     """y = x W^T with W's rows (output features) split across tensor-parallel ranks.
 
     Input: the full activation. Unless `input_in_region`, the layer enters the tensor-parallel
     region itself (copy, or sequence all-gather); layers sharing one input enter it once and
     pass `input_in_region=True`. Output: this rank's features of every part, concatenated.
     """
+
+    partition_dim = 0
 
     def __init__(self, in_features: int, parts: Sequence[OutputPart], groups: ParallelGroups, *,
                  input_in_region: bool = False, gather_output: bool = False) -> None:
@@ -71,15 +99,47 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and any(p.is_replicated(groups.tp_size) for p in self.parts):
             raise ValueError("gather_output needs every part sharded, none replicated")
         self.local_sizes = [self._local(p).stop - self._local(p).start for p in self.parts]
+        self.replica_rows = self._replica_rows()
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
+        self.mark_weight()
 
     def _local(self, part: OutputPart) -> slice:
         return part.local_slice(self.groups.tp_rank, self.groups.tp_size)
 
+    def _replica_rows(self) -> list[tuple[slice, int]]:
+        """(local rows, copies) of the replicated parts; neighbouring parts with equal copies merged."""
+        blocks: list[tuple[slice, int]] = []
+        start = 0
+        for part, size in zip(self.parts, self.local_sizes):
+            copies = part.copies(self.groups.tp_size)
+            if copies > 1 and blocks and blocks[-1][0].stop == start and blocks[-1][1] == copies:
+                blocks[-1] = (slice(blocks[-1][0].start, start + size), copies)
+            elif copies > 1:
+                blocks.append((slice(start, start + size), copies))
+            start += size
+        return blocks
+
+    def weight_counted_here(self) -> bool:
+        """Sharded parts: every rank's gradient counts. Replicated parts only (separate k and v
+        projections): the first holder's of each copy. A weight mixing both (fused q, k, v with
+        replicated k, v) has no exact per-parameter answer: every rank counts it, so its replicated
+        rows are counted `copies` times (``training.engine.layout_problems`` refuses that with clipping)."""
+        tp = self.groups.tp_size
+        if tp == 1:
+            return False
+        copies = {part.copies(tp) for part in self.parts}
+        if len(copies) == 1 and (only := copies.pop()) > 1:
+            return self.groups.tp_rank % only == 0
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x = enter_tp_region(x, self.groups)
-        y = F.linear(x, self.weight)
+        if self.replica_rows:
+            groups = [(rows, self.groups.tp_replica_group(copies)) for rows, copies in self.replica_rows]
+            y = linear_summing_replica_grads(x, self.weight, groups)
+        else:
+            y = F.linear(x, self.weight)
         return gather_from_tp(y, self.groups) if self.gather_output else y
 
     def shard(self, full_weight: torch.Tensor) -> torch.Tensor:
@@ -97,28 +157,16 @@ class ColumnParallelLinear(nn.Module):
             full += [per_rank[piece * tp // pieces][index] for piece in range(pieces)]
         return torch.cat(full)
 
-    def allreduce_replicated_grads(self) -> None:
-        """Sum each replicated part's gradient over the ranks that hold the same unit."""
-        tp = self.groups.tp_size
-        if self.weight.grad is None or not any(p.is_replicated(tp) for p in self.parts):
-            return
-        local_grads = self.weight.grad.split(self.local_sizes)
-        for part, local_grad in zip(self.parts, local_grads):
-            if part.is_replicated(tp):
-                full = local_grad.new_zeros(part.size, self.in_features)
-                full[self._local(part)] = local_grad
-                dist.all_reduce(full, group=self.groups.tp_group)
-                # Every rank holding this unit added the same slot, so the slot is their sum.
-                local_grad.copy_(full[self._local(part)])
-
     def extra_repr(self) -> str:
         parts = ", ".join(f"{p.name}={p.size}" for p in self.parts)
         return f"in={self.in_features}, parts=({parts}), local_out={sum(self.local_sizes)}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedWeightLayer):
     """y = x W^T with W's columns (input features) split across ranks; the input is the
     column-parallel layer's sharded output, and the partial results are summed on exit."""
+
+    partition_dim = 1
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, *, name: str) -> None:
         super().__init__()
@@ -129,6 +177,7 @@ class RowParallelLinear(nn.Module):
         self.out_features = out_features
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_features, in_features // groups.tp_size))
+        self.mark_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return exit_tp_region(F.linear(x, self.weight), self.groups)
@@ -143,11 +192,13 @@ class RowParallelLinear(nn.Module):
         return f"name={self.name}, in={self.in_features}, out={self.out_features}, tp={self.groups.tp_size}"
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedWeightLayer):
     """Token embedding with the (padded) vocabulary split across ranks by contiguous ranges.
 
     Output: hidden states, replicated (or sequence-sharded under sequence parallelism).
     """
+
+    partition_dim = 0
 
     def __init__(self, padded_vocab_size: int, hidden_size: int, groups: ParallelGroups) -> None:
         super().__init__()
@@ -158,6 +209,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab_size = padded_vocab_size // groups.tp_size
         self.vocab_start = groups.tp_rank * self.local_vocab_size
         self.weight = nn.Parameter(torch.empty(self.local_vocab_size, hidden_size))
+        self.mark_weight()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:

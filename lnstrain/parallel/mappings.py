@@ -9,10 +9,12 @@ Collectives are looked up on `torch.distributed` at call time (tests count them)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -127,6 +129,38 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _all_gather(grad, SEQUENCE_DIM, ctx.groups), None
 
 
+class _SumGradientsOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        return (None, *(r.view_as(g) for r, g in zip(flat.split([g.numel() for g in grads]), grads)))
+
+
+class _LinearSummingReplicaGrads(torch.autograd.Function):
+    """y = x W^T; backward sums the weight gradient's rows in each (rows, group) over that group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, replica_rows):
+        ctx.save_for_backward(x, weight)
+        ctx.replica_rows = replica_rows
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        for rows, group in ctx.replica_rows:
+            dist.all_reduce(grad_weight[rows], group=group)  # a block of rows is contiguous: reduced in place
+        return grad_x, grad_weight, None
+
+
 def _apply(function: type[torch.autograd.Function], x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     return x if groups.tp_size == 1 else function.apply(x, groups)
 
@@ -175,3 +209,18 @@ def enter_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
 def exit_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs into replicated (or sequence-sharded) hidden states."""
     return reduce_scatter_to_sequence_parallel(x, groups) if groups.sequence_parallel else reduce_from_tp(x, groups)
+
+
+def sum_gradients_over_tp(tensors: Sequence[torch.Tensor], groups: ParallelGroups) -> tuple[torch.Tensor, ...]:
+    """The tensors unchanged forward; backward sums all their gradients over the tensor group in one
+    all-reduce. For replicated parameters used on sequence shards: apply where they are used."""
+    if groups.tp_size == 1 or not tensors:
+        return tuple(tensors)
+    return _SumGradientsOverTP.apply(groups.tp_group, *tensors)
+
+
+def linear_summing_replica_grads(x: torch.Tensor, weight: torch.Tensor,
+                                 replica_rows: Sequence[tuple[slice, Any]]) -> torch.Tensor:
+    """``F.linear(x, weight)`` whose weight gradient has each block of ``rows`` summed over ``group``
+    (the ranks holding copies of those rows), for ``(rows, group)`` in ``replica_rows``."""
+    return _LinearSummingReplicaGrads.apply(x, weight, tuple(replica_rows))

@@ -19,6 +19,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from lnstrain.model.attention import with_kv_head_groups
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.transformer import EmbeddingStage, OutputStage
@@ -36,7 +37,7 @@ class FinalNormStage(OutputStage):
     """Tied embeddings: the output stage's final norm; the tied embedding entry computes the logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.final_norm(hidden)
+        return self.normalize(hidden)
 
 
 def tied_embedding_logits(embedding: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,8 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
                           activation_checkpointing: str = "none") -> PipelineModule:
     """This rank's pipeline stage of the model, partitioned as ``parallel_cfg`` asks.
 
-    ``activation_checkpointing``: ``full`` recomputes each transformer layer in backward.
+    ``activation_checkpointing``: ``full`` recomputes each transformer layer in backward, ``selective``
+    each layer's attention core.
     """
     problems = model_cfg.validate(groups.tp_size)
     if model_cfg.num_layers < groups.pp_size:
@@ -132,6 +134,7 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed's comm wraps torch's
+    groups = with_kv_head_groups(model_cfg, groups)  # collective, so before any stage is built
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries
     topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
@@ -143,5 +146,5 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
     check_grid_matches(module, groups)
     for block in module.modules():
         if isinstance(block, TransformerBlock):
-            block.checkpoint_activations = activation_checkpointing == "full"
+            block.set_activation_checkpointing(activation_checkpointing)
     return module

@@ -1,46 +1,38 @@
-"""Gradients that are partial sums across the tensor-parallel group.
+"""Replicated parameters that act on sequence shards: their gradients, summed inside autograd.
 
-Two kinds of parameter are replicated on every tensor-parallel rank but see only part of
-the data, so their gradients must be summed over the group after backward:
-- under sequence parallelism, the norms' weights (and LayerScale gains), which act on
-  sequence shards; they are marked `param.sequence_parallel = True`;
-- replicated key/value heads (fewer KV heads than ranks), which each rank uses for its own
-  query heads only (`ColumnParallelLinear.allreduce_replicated_grads`).
-The trainer calls `allreduce_sequence_parallel_grads(model, groups)` after every backward
-(before clipping and the optimizer step). It is a no-op at tensor parallelism 1.
+Under sequence parallelism the norms (and LayerScale gains) are replicated on every tensor rank
+but each rank applies them to its own sequence shard, so each rank's gradient is a partial sum.
+`sequence_parallel_params` hands such modules stand-ins for their parameters (the same values)
+whose backward sums all their gradients over the tensor group in one all-reduce: a block calls it
+once per forward for all its norms, so backward issues one extra all-reduce per layer, and the
+gradient is complete before DeepSpeed's hooks (ZeRO, pipeline, bf16) ever see it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lnstrain.parallel.layers import ColumnParallelLinear
+from lnstrain.parallel.mappings import sum_gradients_over_tp
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
 
 
-def mark_sequence_parallel(module: nn.Module, groups: ParallelGroups) -> None:
-    """Mark every parameter of `module` (a norm, a LayerScale) as acting on sequence shards."""
-    if groups.sequence_parallel and groups.tp_size > 1:
-        for param in module.parameters():
-            param.sequence_parallel = True
+def sums_sequence_parallel_grads(groups: ParallelGroups) -> bool:
+    return groups.sequence_parallel and groups.tp_size > 1
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module, groups: ParallelGroups) -> None:
-    """Sum, over the tensor-parallel group, every gradient that is a partial sum (see above)."""
-    if groups.tp_size == 1:
-        return
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=groups.tp_group)
-        for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(reduced.view_as(grad))
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
-            module.allreduce_replicated_grads()
+def sequence_parallel_params(modules: Mapping[str, nn.Module | None],
+                             groups: ParallelGroups) -> dict[str, tuple[torch.Tensor, ...]]:
+    """{name: stand-ins for the module's parameters, in ``parameters()`` order}, for every module
+    with parameters; pass them as ``module(x, *stand_ins)``. Empty without sequence parallelism."""
+    if not sums_sequence_parallel_grads(groups):
+        return {}
+    owned = {name: list(module.parameters()) for name, module in modules.items() if module is not None}
+    owned = {name: params for name, params in owned.items() if params}
+    stand_ins = iter(sum_gradients_over_tp([p for params in owned.values() for p in params], groups))
+    return {name: tuple(next(stand_ins) for _ in params) for name, params in owned.items()}

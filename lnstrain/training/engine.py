@@ -25,9 +25,8 @@ from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import Config
 from lnstrain.model.block import TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from lnstrain.training.batches import MicroBatch, weigh_micro_batches, weighted_token_loss
-from lnstrain.training.grad_clip import GradClipHook, mark_tensor_parallel_parameters
+from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.optimizer import build_optimizer
 from lnstrain.training.schedule import build_scheduler
 
@@ -54,20 +53,27 @@ def layout_problems(config: Config, world_size: int) -> list[str]:
     for section in (config.parallel, config.optim, config.train, config.precision):
         problems += section.validate()
     problems += config._cross_section_problems(world_size)
-    train, parallel = config.train, config.parallel
-    if train.activation_checkpointing == "selective":
-        problems.append("train.activation_checkpointing: 'selective' is not supported by the model yet; "
-                        "use 'full' or 'none'")
-    tp_grads_outside_autograd = parallel.tensor > 1 and (
-        parallel.sequence_parallel or config.model.kv_heads < parallel.tensor)
-    if tp_grads_outside_autograd and (parallel.pipeline > 1 or parallel.zero_stage > 0 or
-                                      config.precision.dtype != "fp32"):
-        what = ("parallel.sequence_parallel" if parallel.sequence_parallel else
-                f"model.num_kv_heads ({config.model.kv_heads}) < parallel.tensor ({parallel.tensor})")
-        problems.append(f"{what} leaves partial gradients that must be summed over the tensor group "
-                        "between backward and DeepSpeed's reduction; lnstrain does that only with "
-                        "parallel.pipeline: 1, parallel.zero_stage: 0 and precision.dtype: fp32")
+    if _overcounted_kv_rows(config) and not _clips_itself(config):
+        problems.append(_overcounted_kv_rows(config) + " Set model.fused_qkv: false (separate projections "
+                        "are counted exactly) or optim.grad_clip: 0")
     return problems
+
+
+def _overcounted_kv_rows(config: Config) -> str:
+    """Why the clipping norm would overcount replicated key/value rows; empty when it would not."""
+    parallel, model = config.parallel, config.model
+    if not (parallel.tensor > 1 and model.fused_qkv and model.kv_heads < parallel.tensor
+            and config.optim.grad_clip > 0):
+        return ""
+    return (f"model.fused_qkv with model.num_kv_heads ({model.kv_heads}) < parallel.tensor ({parallel.tensor}) "
+            "puts sharded query rows and replicated key/value rows in one parameter; a gradient norm counts "
+            "a parameter on every tensor rank or on one, so the key/value rows are counted "
+            f"{parallel.tensor // model.kv_heads} times in the clipping norm.")
+
+
+def _clips_itself(config: Config) -> bool:
+    """fp32 without ZeRO: lnstrain clips (``GradClipHook``), DeepSpeed's norm there being wrong."""
+    return config.parallel.zero_stage == 0 and config.precision.dtype == "fp32"
 
 
 def check_layout(config: Config, world_size: int) -> None:
@@ -94,7 +100,7 @@ def _build_module(config: Config, groups: ParallelGroups) -> nn.Module:
     from lnstrain.model.transformer import Transformer
 
     model = Transformer(config.model, groups)
-    model.set_activation_checkpointing(config.train.activation_checkpointing == "full")
+    model.set_activation_checkpointing(config.train.activation_checkpointing)
     return model
 
 
@@ -120,8 +126,9 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
                            "deepspeed, or lnstrain.testing.distributed.run_distributed)")
     deepspeed.init_distributed(dist_backend=dist.get_backend())
 
+    if _overcounted_kv_rows(config):  # refused elsewhere; kept on this path for existing runs
+        logger.warning("%s Set model.fused_qkv: false for an exact norm.", _overcounted_kv_rows(config))
     module = _build_module(config, groups)
-    mark_tensor_parallel_parameters(module, groups.tp_size)
     if config.train.compile:
         for block in module.modules():
             if isinstance(block, TransformerBlock):
@@ -130,7 +137,7 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
                                 decay=config.optim.decay)
-    own_clipping = config.parallel.zero_stage == 0 and config.precision.dtype == "fp32"
+    own_clipping = _clips_itself(config)
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         mpu=groups if groups.pp_size == 1 else None,
@@ -166,10 +173,6 @@ class TrainingEngine:
         self.scheduler = scheduler
         self.clip_hook = clip_hook
         self.accumulation_steps = engine.gradient_accumulation_steps()
-        # Checked by layout_problems to occur only with ZeRO-0, fp32 and no pipeline, where the
-        # gradients sit in param.grad (already averaged over data-parallel ranks) before the step.
-        self.has_partial_tp_grads = groups.tp_size > 1 and (
-            groups.sequence_parallel or config.model.kv_heads < groups.tp_size)
         self._before_optimizer_step: Callable[[], None] | None = None
         if self.is_pipeline:
             self._hook_pipeline_optimizer_step()
@@ -235,11 +238,8 @@ class TrainingEngine:
             loss = weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
             self.engine.backward(loss)
             loss_sum += loss.detach().double().cpu()
-            if index == len(weighted) - 1:
-                if self.has_partial_tp_grads:
-                    allreduce_sequence_parallel_grads(self.module, self.groups)
-                if self._before_optimizer_step is not None:
-                    self._before_optimizer_step()
+            if index == len(weighted) - 1 and self._before_optimizer_step is not None:
+                self._before_optimizer_step()
             self.engine.step()
         return self._global_mean(loss_sum / len(weighted))
 
