@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -71,16 +72,53 @@ def test_cross_entropy_gradient_matches_autograd(single):
     assert torch.all(logits.grad[..., 12:] == 0)
 
 
-def test_activation_checkpointing_gives_same_gradients(tiny_cfg, single, tokens):
-    cfg = tiny_cfg(norm_scheme="lns")
-    grads = []
-    for checkpointing in (False, True):
-        model = Transformer(cfg, single)
-        model.set_activation_checkpointing(checkpointing)
-        model.loss(tokens, tokens.roll(-1, 1)).backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, msg=name)
+def _gradients_and_core_calls(cfg, single, tokens, mode):
+    """Gradients, and how often the layers' attention cores were entered in forward and in backward."""
+    model = Transformer(cfg, single)
+    model.set_activation_checkpointing(mode)
+    calls = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def counting(core):
+        def counted(*args):
+            calls[phase[0]] += 1  # on entry: recomputation may stop early, once it has what backward needs
+            return core(*args)
+        return counted
+    for layer in model.layers:
+        layer.attention.core = counting(layer.attention.core)
+    loss = model.loss(tokens, tokens.roll(-1, 1))
+    phase[0] = "backward"
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, calls
+
+
+@pytest.mark.parametrize("mode, core_calls_in_backward", [("full", 3), ("selective", 3), (True, 3)])
+def test_activation_checkpointing_gives_same_gradients(tiny_cfg, single, tokens, mode, core_calls_in_backward):
+    cfg = tiny_cfg(norm_scheme="lns", attention_dropout=0.1)  # recomputation must replay the dropout mask
+    torch.manual_seed(0)
+    reference, calls = _gradients_and_core_calls(cfg, single, tokens, "none")
+    assert calls == {"forward": cfg.num_layers, "backward": 0}
+    torch.manual_seed(0)
+    grads, calls = _gradients_and_core_calls(cfg, single, tokens, mode)
+    assert calls == {"forward": cfg.num_layers, "backward": core_calls_in_backward}
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_selective_checkpointing_recomputes_only_the_attention_core(tiny_cfg, single, tokens):
+    model = Transformer(tiny_cfg(), single)
+    model.set_activation_checkpointing("selective")
+    layer = model.layers[0]
+    assert layer.attention.checkpoint_core and not layer.checkpoint_activations
+    ran_in_backward = []
+    for name in ("attention_norm", "mlp"):
+        getattr(layer, name).register_forward_hook(lambda *args, _name=name: ran_in_backward.append(_name))
+    loss = model.loss(tokens, tokens.roll(-1, 1))
+    ran_in_backward.clear()
+    loss.backward()
+    assert ran_in_backward == []  # only the core re-runs (counted above); norms and MLP do not
+    with pytest.raises(ValueError, match="'none', 'full' or 'selective'"):
+        layer.set_activation_checkpointing("attention")
 
 
 def test_invalid_config_is_refused(tiny_cfg, single):

@@ -40,13 +40,22 @@ class Layout:
     checkpointing: str = "none"
     dtype: str = "fp32"
     sequence_parallel: bool = False
+    kv_heads: int = 2
+    fused_qkv: bool = True
 
     def config(self, steps: int = STEPS) -> Config:
         return make_config(self, steps)
 
+    @property
+    def reference(self) -> "Layout":
+        """The single-process layout with this one's model."""
+        return Layout(f"reference{'_tied' if self.tied else ''}_kv{self.kv_heads}{'' if self.fused_qkv else '_separate'}",
+                      tied=self.tied, kv_heads=self.kv_heads, fused_qkv=self.fused_qkv)
+
 
 def make_config(layout: Layout, steps: int = STEPS, num_layers: int = 6) -> Config:
-    model = model_preset("tiny", norm_scheme="lns", num_layers=num_layers, tie_embeddings=layout.tied)
+    model = model_preset("tiny", norm_scheme="lns", num_layers=num_layers, tie_embeddings=layout.tied,
+                         num_kv_heads=layout.kv_heads, fused_qkv=layout.fused_qkv)
     return Config(
         model=model, data=DataConfig(seq_len=SEQ_LEN),
         parallel=ParallelConfig(tensor=layout.tensor, pipeline=layout.pipeline, zero_stage=layout.zero_stage,

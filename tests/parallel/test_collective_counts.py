@@ -2,7 +2,10 @@
 
 Without sequence parallelism: 2 all-reduces forward (attention and MLP outputs) and 2
 backward (their inputs' gradients). With it: 2 all-gathers + 2 reduce-scatters forward,
-and the mirror backward.
+and the mirror backward, plus one all-reduce that sums the norm (and LayerScale) gains'
+partial gradients, however many gains the layer has (Megatron also all-reduces them, once per
+step over all layers). A KV head replicated over the tensor ranks adds one all-reduce backward
+(its rows of the fused QKV gradient).
 """
 
 from __future__ import annotations
@@ -32,13 +35,23 @@ def count_collectives(counts: Counter) -> None:
         setattr(dist, name, counting)
 
 
+CASES = {  # name: (sequence parallel, model overrides)
+    "tp": (False, dict(norm_scheme="lns", num_kv_heads=2)),
+    "sp": (True, dict(norm_scheme="lns", num_kv_heads=2)),
+    "sp_sandwich_layernorm": (True, dict(norm_scheme="sandwich_ln", norm_type="layernorm", num_kv_heads=2)),
+    "sp_layerscale": (True, dict(norm_scheme="layerscale", num_kv_heads=2)),
+    "tp_replicated_kv": (False, dict(norm_scheme="lns", num_kv_heads=1)),
+}
+SP_FORWARD = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+
+
 def collective_worker(rank, world_size):
     counts = Counter()
     count_collectives(counts)
     results = {}
-    for sp in (False, True):
+    for case, (sp, overrides) in CASES.items():
         groups = ParallelGroups.build(tensor=2, pipeline=1, sequence_parallel=sp)
-        block = TransformerBlock(model_preset("tiny", norm_scheme="lns", num_kv_heads=2), 3, groups)
+        block = TransformerBlock(model_preset("tiny", **overrides), 3, groups)
         seq = 16 // 2 if sp else 16
         x = torch.randn(2, seq, 32, requires_grad=True)
         counts.clear()
@@ -46,7 +59,7 @@ def collective_worker(rank, world_size):
         forward = dict(counts)
         counts.clear()
         out.sum().backward()
-        results[sp] = (forward, dict(counts))
+        results[case] = (forward, dict(counts))
 
     # the mappings' round trips
     groups = ParallelGroups.build(tensor=2, pipeline=1, sequence_parallel=True)
@@ -65,10 +78,12 @@ def collective_worker(rank, world_size):
 
 @pytest.mark.multirank
 def test_collectives_per_layer_match_megatron():
+    expected = {
+        "tp": ({"all_reduce": 2}, {"all_reduce": 2}),
+        "sp": (SP_FORWARD, {**SP_FORWARD, "all_reduce": 1}),
+        "sp_sandwich_layernorm": (SP_FORWARD, {**SP_FORWARD, "all_reduce": 1}),  # 4 norms, weight + bias
+        "sp_layerscale": (SP_FORWARD, {**SP_FORWARD, "all_reduce": 1}),  # 2 norms + 2 gains
+        "tp_replicated_kv": ({"all_reduce": 2}, {"all_reduce": 3}),
+    }
     for rank_results in run_distributed(collective_worker, 2, timeout_s=120):
-        forward, backward = rank_results[False]
-        assert forward == {"all_reduce": 2}
-        assert backward == {"all_reduce": 2}
-        forward, backward = rank_results[True]
-        assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-        assert backward == {"reduce_scatter_tensor": 2, "all_gather_into_tensor": 2}
+        assert rank_results == expected

@@ -18,6 +18,22 @@ def test_tensor_groups_are_neighbours():
     assert RankLayout(tp_size=2, pp_size=2, dp_size=2).tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+def test_replica_blocks_are_neighbouring_tensor_ranks():
+    layout = RankLayout(tp_size=4, pp_size=1, dp_size=2)
+    assert layout.tp_replica_groups(2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.tp_replica_groups(4) == layout.tp_groups()
+
+
+def test_replica_groups_are_only_built_when_needed():
+    no_communication = ParallelGroups(tp_size=4, tp_rank=1)
+    assert no_communication.with_tp_replica_groups(2) is no_communication
+    assert no_communication.with_tp_replica_groups(4) is no_communication
+    with pytest.raises(RuntimeError, match="no group of 2 neighbouring tensor ranks"):
+        no_communication.tp_replica_group(2)
+    with pytest.raises(ValueError, match="3 copies do not divide tensor size 4"):
+        no_communication.with_tp_replica_groups(3)
+
+
 def test_layout_problems_name_the_fix():
     (problem,) = layout_problems(world_size=6, tensor=4, pipeline=1)
     assert "not divisible" in problem and "parallel.tensor" in problem

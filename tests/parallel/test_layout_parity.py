@@ -6,8 +6,12 @@ clipping at 1.0 which is active). Compared with the reference: first-step loss (
 gradient of step 1 gathered over ranks and tensor shards (relative 1e-5: ||g - g_ref|| / ||g_ref||
 per tensor, read before clipping; ZeRO-3 gradients are gathered with DeepSpeed's
 ``safe_get_full_grad``), gradient norms (relative 1e-5), the 10-step loss curve (abs 1e-4) and a
-held-out loss after training (abs 1e-4). bf16 with a pipeline is checked only loosely (it is a
-different numeric format).
+held-out loss after training (abs 1e-4). bf16 is checked only loosely (it is a different numeric
+format).
+
+Sequence parallelism and replicated KV heads (partial gradients summed inside autograd) run with
+pipelines, ZeRO-1/2 and bf16, with selective recomputation on the pipelined and the plain path,
+and at tensor 4 with each KV head shared by 2 ranks (a sub-group of the tensor group).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import pytest
 from lnstrain.testing.distributed import run_distributed
 from tests.parallel.layouts import STEPS, Layout, layouts_worker, merge_ranks
 
-REFERENCES = [Layout("reference"), Layout("reference_tied", tied=True)]
 TWO_RANKS = [
     Layout("tp2", tensor=2),
     Layout("tp2_sequence_parallel", tensor=2, sequence_parallel=True),
@@ -27,14 +30,23 @@ TWO_RANKS = [
     Layout("dp2_zero2", zero_stage=2),
     Layout("dp2_zero3", zero_stage=3),
     Layout("pp2_bf16_zero1", pipeline=2, zero_stage=1, dtype="bf16"),
+    Layout("tp2_sp_replicated_kv_bf16_zero1", tensor=2, zero_stage=1, sequence_parallel=True, kv_heads=1,
+           fused_qkv=False, dtype="bf16"),
 ]
 FOUR_RANKS = [
     Layout("pp4_uneven_1_2_2_1", pipeline=4, boundaries=(1, 2, 2, 1)),
     Layout("tp2_pp2_by_type_checkpointed", tensor=2, pipeline=2, zero_stage=1, partition="type:TransformerBlock",
            checkpointing="full"),
     Layout("tp2_dp2_zero1", tensor=2, zero_stage=1),
+    # Partial gradients summed inside autograd, so they work past ZeRO-0 / fp32 / no pipeline:
+    Layout("tp2_sp_pp2_zero1_selective", tensor=2, pipeline=2, zero_stage=1, sequence_parallel=True,
+           checkpointing="selective"),
+    Layout("tp2_sp_dp2_zero1_selective", tensor=2, zero_stage=1, sequence_parallel=True, checkpointing="selective"),
+    Layout("tp2_dp2_zero2_replicated_kv", tensor=2, zero_stage=2, kv_heads=1, fused_qkv=False),
+    Layout("tp4_sp_zero1_kv_shared_by_2", tensor=4, zero_stage=1, sequence_parallel=True, fused_qkv=False),
 ]
 EXACT = [layout for layout in TWO_RANKS + FOUR_RANKS if layout.dtype == "fp32"]
+REFERENCES = list({layout.reference.name: layout.reference for layout in TWO_RANKS + FOUR_RANKS}.values())
 
 
 def _run(world_size: int, layouts: list[Layout]) -> dict[str, dict]:
@@ -51,7 +63,7 @@ def runs() -> dict[str, dict]:
 
 
 def _reference(runs: dict[str, dict], layout: Layout) -> dict:
-    return runs["reference_tied" if layout.tied else "reference"]
+    return runs[layout.reference.name]
 
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -88,8 +100,10 @@ def test_gradient_norms_match_reference(runs, layout):
     assert reference["grad_norms"][0] > 1.0  # so clipping at 1.0 was active and is part of the check
 
 
-def test_bf16_pipeline_with_zero1_trains_close_to_fp32(runs):
-    run, reference = runs["pp2_bf16_zero1"], runs["reference"]
+@pytest.mark.parametrize("name", ["pp2_bf16_zero1", "tp2_sp_replicated_kv_bf16_zero1"])
+def test_bf16_trains_close_to_fp32(runs, name):
+    layout = next(layout for layout in TWO_RANKS if layout.name == name)
+    run, reference = runs[name], _reference(runs, layout)
     differences = [abs(a - b) for a, b in zip(run["losses"], reference["losses"])]
     assert max(differences) < 0.05, differences
     assert run["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=0.05)

@@ -94,9 +94,11 @@ def _config(layout: Layout, **changes):
     (Layout("pp2_zero3", pipeline=2, zero_stage=3), {}, 2,
      "parallel.zero_stage 3 cannot be combined with pipeline parallelism"),
     (Layout("pp2", pipeline=2, boundaries=(2, 3)), {}, 2, "parallel.pipeline_boundaries sum to 5"),
-    (Layout("selective", checkpointing="selective"), {}, 1, "'selective' is not supported"),
-    (Layout("sp_zero1", tensor=2, zero_stage=1), {"parallel": {"sequence_parallel": True}}, 2,
-     "parallel.sequence_parallel leaves partial gradients"),
+    (Layout("fused_replicated_kv_zero1", tensor=2, zero_stage=1, kv_heads=1), {}, 2,
+     "model.fused_qkv with model.num_kv_heads (1) < parallel.tensor (2) puts sharded query rows and "
+     "replicated key/value rows in one parameter"),
+    (Layout("fused_replicated_kv_bf16", tensor=2, kv_heads=1, dtype="bf16"), {}, 2,
+     "Set model.fused_qkv: false (separate projections are counted exactly) or optim.grad_clip: 0"),
     (Layout("dp3"), {}, 3, "train.global_batch_size (8) must be divisible by"),
 ])
 def test_layout_problems_name_the_key_and_fix(layout, changes, world_size, message):
@@ -107,9 +109,20 @@ def test_layout_problems_name_the_key_and_fix(layout, changes, world_size, messa
 def test_valid_layouts_have_no_problems():
     for layout, world_size in ((Layout("tp2_pp2", tensor=2, pipeline=2, zero_stage=1), 8),
                                (Layout("dp4_zero3", zero_stage=3), 4),
-                               (Layout("sp_zero0", tensor=2), 2)):
-        config = _config(layout, parallel={"sequence_parallel": layout.name.startswith("sp")})
-        assert layout_problems(config, world_size) == []
+                               (Layout("sp_zero0", tensor=2, sequence_parallel=True), 2),
+                               (Layout("sp_pp2_zero1_selective", tensor=2, pipeline=2, zero_stage=1,
+                                       sequence_parallel=True, checkpointing="selective"), 4),
+                               (Layout("sp_dp2_zero3_bf16", tensor=2, zero_stage=3, sequence_parallel=True,
+                                       dtype="bf16"), 4),
+                               (Layout("replicated_kv_zero2", tensor=2, zero_stage=2, kv_heads=1, fused_qkv=False), 2),
+                               (Layout("fused_replicated_kv_zero0", tensor=2, kv_heads=1), 2)):
+        assert layout_problems(layout.config(), world_size) == [], layout.name
+
+
+def test_fused_replicated_kv_heads_are_fine_without_clipping():
+    config = _config(Layout("fused_replicated_kv_zero1", tensor=2, zero_stage=1, kv_heads=1),
+                     optim={"grad_clip": 0.0})
+    assert layout_problems(config, 2) == []
 
 
 def test_build_engine_fails_before_any_collective():

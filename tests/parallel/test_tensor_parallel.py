@@ -12,7 +12,6 @@ import torch
 
 from lnstrain.model import Transformer, model_preset
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from lnstrain.testing.distributed import run_distributed
 
 TP = 2
@@ -22,6 +21,8 @@ CASES = {  # name: (model overrides, sequence_parallel)
     "untied_kv_split_sp": (dict(num_heads=4, num_kv_heads=2, fused_qkv=False), True),
     "tied_kv_replicated_sp_layerscale": (dict(num_heads=4, num_kv_heads=1, tie_embeddings=True,
                                               norm_scheme="layerscale", layerscale_init=0.5), True),
+    "kv_replicated_separate_sp_sandwich_layernorm": (dict(num_heads=4, num_kv_heads=1, fused_qkv=False,
+                                                          norm_scheme="sandwich_ln", norm_type="layernorm"), True),
 }
 
 
@@ -44,8 +45,7 @@ def tensor_parallel_worker(rank, world_size, cases):
         groups = groups_by_sp[sp]
         model = Transformer(make_cfg(overrides), groups)
         loss = model.loss(*batch())
-        loss.backward()
-        allreduce_sequence_parallel_grads(model, groups)
+        loss.backward()  # partial gradients (sequence-parallel norms, replicated KV heads) summed inside
         # numpy, not tensors: torch pickles tensors through shared memory that dies with the rank
         results[name] = (loss.item(), {n: p.grad.numpy().copy() for n, p in model.named_parameters()})
     return results
@@ -94,3 +94,36 @@ def test_loss_and_gradients_match_single_process(case, parallel_results):
         assert got.shape == expected.shape, name
         scale = expected.abs().max().clamp(min=1e-12)
         assert (got - expected).abs().max() / scale < 1e-5, name
+
+
+def _counted(model, name):
+    return getattr(model.get_parameter(name), "tensor_model_parallel", None)
+
+
+@pytest.mark.parametrize("tp_rank, k_counted", [(0, True), (1, False), (2, True), (3, False)])
+def test_gradient_norm_markers_count_each_weight_once(tp_rank, k_counted):
+    """tp 4, 2 KV heads: each head is held by 2 ranks, and counted on the first of them."""
+    cfg = make_cfg(dict(num_heads=4, num_kv_heads=2, fused_qkv=False))
+    model = Transformer(cfg, ParallelGroups(tp_size=4, tp_rank=tp_rank))
+    attention = "layers.0.attention"
+    assert _counted(model, f"{attention}.k_proj.weight") is k_counted
+    assert _counted(model, f"{attention}.v_proj.weight") is k_counted
+    for sharded in (f"{attention}.q_proj.weight", f"{attention}.o_proj.weight", "layers.0.mlp.down_proj.weight",
+                    "layers.0.mlp.gate_up_proj.weight", "embedding.word_embeddings.weight", "output.head.weight"):
+        assert _counted(model, sharded) is True, sharded
+    assert _counted(model, "layers.0.attention_norm.weight") is None  # replicated: tensor rank 0 counts it
+    assert model.get_parameter(f"{attention}.o_proj.weight").partition_dim == 1
+    fused = Transformer(make_cfg(dict(num_heads=4, num_kv_heads=2)), ParallelGroups(tp_size=4, tp_rank=tp_rank))
+    assert _counted(fused, f"{attention}.qkv_proj.weight") is True  # mixed rows: see layout_problems
+
+
+def test_markers_survive_meta_initialisation():
+    from lnstrain.model import init_weights
+
+    cfg = make_cfg(dict(num_heads=4, num_kv_heads=1, fused_qkv=False))
+    with torch.device("meta"):
+        model = Transformer(cfg, ParallelGroups(tp_size=2, tp_rank=1))
+    model.to_empty(device="cpu")
+    init_weights(model, cfg)
+    assert _counted(model, "layers.0.attention.q_proj.weight") is True
+    assert _counted(model, "layers.0.attention.k_proj.weight") is False
