@@ -91,10 +91,17 @@ def fsync_file(path: str | os.PathLike) -> None:
 
 
 def fsync_tree(directory: str | os.PathLike) -> None:
-    """Flush every file and directory under ``directory`` (inclusive) to stable storage."""
+    """Flush every file and directory under ``directory`` (inclusive) to stable storage.
+
+    Other ranks may be writing there at the same time: a temporary file renamed away between
+    listing and opening is skipped (its final name is flushed by the rank that wrote it).
+    """
     for root, _, files in os.walk(directory):
         for name in files:
-            fsync_file(os.path.join(root, name))
+            try:
+                fsync_file(os.path.join(root, name))
+            except FileNotFoundError:
+                pass
         fsync_file(root)
 
 

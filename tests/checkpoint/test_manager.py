@@ -127,3 +127,12 @@ def test_metadata_without_a_field_is_refused(tmp_path, field):
     text = (step_dir / METADATA_FILE).read_text().replace(f'"{field}"', '"renamed"')
     with pytest.raises(ValueError, match=f"missing {field}"):
         CheckpointMetadata.from_json(text, "x")
+
+
+def test_fsync_tree_skips_files_renamed_away_by_another_rank(tmp_path, monkeypatch):
+    from lnstrain.checkpoint import metadata
+
+    (tmp_path / "kept.pt").write_bytes(b"x")
+    listing = [(str(tmp_path), [], ["kept.pt", ".lnstrain_metadata.json.tmp-123"])]  # renamed meanwhile
+    monkeypatch.setattr(metadata.os, "walk", lambda directory: iter(listing))
+    metadata.fsync_tree(tmp_path)
