@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,23 +99,29 @@ class TransformerBlock(nn.Module):
         # Under sequence parallelism the replicated parameters come back as stand-ins whose
         # gradients are summed over the tensor group (one all-reduce for the whole layer).
         params = sequence_parallel_params({name: getattr(self, name) for name in self.REPLICATED}, self.groups)
-        x = self._residual(x, self.attention, "attention", params)
-        return self._residual(x, self.mlp, "mlp", params)
 
-    def _apply_child(self, name: str, x: torch.Tensor, params: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        child = getattr(self, name)
-        return x if child is None else child(x, *params.get(name, ()))
+        def child(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+            module = getattr(self, name)
+            if name not in params:
+                return module
+            return lambda x: module(x, *params[name])
 
-    def _residual(self, x: torch.Tensor, sublayer: nn.Module, prefix: str,
-                  params: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        x = self._residual(x, self.attention, child("attention_norm"), child("attention_output_norm"),
+                           child("attention_layerscale"))
+        return self._residual(x, self.mlp, child("mlp_norm"), child("mlp_output_norm"), child("mlp_layerscale"))
+
+    def _residual(self, x: torch.Tensor, sublayer: nn.Module, norm: Callable[[torch.Tensor], torch.Tensor],
+                  output_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+                  layerscale: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         layout = self.layout
-        norm = f"{prefix}_norm"
         if layout.placement == Placement.POST:
             residual = x * layout.residual_scale if layout.residual_scale != 1.0 else x
-            return self._apply_child(norm, residual + self.dropout(sublayer(x)), params)
-        y = sublayer(self._apply_child(norm, x, params))
-        y = self._apply_child(f"{prefix}_output_norm", y, params)
-        y = self._apply_child(f"{prefix}_layerscale", y, params)
+            return norm(residual + self.dropout(sublayer(x)))
+        y = sublayer(norm(x))
+        if output_norm is not None:
+            y = output_norm(y)
+        if layerscale is not None:
+            y = layerscale(y)
         if layout.sublayer_output_scale != 1.0:
             y = y * layout.sublayer_output_scale
         return x + self.dropout(y)
