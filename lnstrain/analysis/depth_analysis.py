@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from lnstrain.analysis.angular import AngularDistanceAccumulator, distance_by_offset
@@ -51,10 +52,8 @@ class DepthAnalysis:
     baseline: EvalResult
     pruning: list[LayerPruning]
     summary: DepthSummary
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def distance_by_offset(self) -> list[list[float | None]]:
-        import torch
         return distance_by_offset(torch.tensor(self.angular_distance))
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,11 +95,11 @@ def analyze_model(model: nn.Module, batches: Sequence[Batch], *, name: str = "mo
                   near_identity_threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthAnalysis:
     """Everything the depth report shows, for a single-process `Transformer`."""
     cfg = model.cfg
+    scheme = getattr(cfg.norm_scheme, "value", str(cfg.norm_scheme))
     logger.info("%s: residual-stream variance and angular distance over %d batches", name, len(batches))
     output_variance, angular = measure_representations(model, batches)
     logger.info("%s: layer pruning (%d evaluations)", name, cfg.num_layers + 1)
     baseline, pruning = layer_pruning(model, batches, items, cfg.max_seq_len)
-    return DepthAnalysis(name=name, num_layers=cfg.num_layers, norm_scheme=str(getattr(cfg.norm_scheme, "value",
-                         cfg.norm_scheme)), validation_tokens=baseline.tokens, output_variance=output_variance,
-                         angular_distance=angular, baseline=baseline, pruning=pruning,
-                         summary=summarize(pruning, near_identity_threshold))
+    return DepthAnalysis(name=name, num_layers=cfg.num_layers, norm_scheme=scheme, validation_tokens=baseline.tokens,
+                         output_variance=output_variance, angular_distance=angular, baseline=baseline,
+                         pruning=pruning, summary=summarize(pruning, near_identity_threshold))

@@ -209,7 +209,7 @@ class DepthStatsCollector:
         return self._scalars(table, loss_scale)
 
     def _scalars(self, table: torch.Tensor, loss_scale: float) -> dict[str, float]:
-        L = table.shape[0]
+        num_layers = table.shape[0]
         dp = self.groups.dp_size
         scalars = {}
         for index, row in enumerate(table.tolist()):
@@ -222,7 +222,7 @@ class DepthStatsCollector:
                 "mlp_to_residual": math.sqrt(row[_SQ_MLP] / max(row[_SQ_MID], 1e-30)),
             }
             for stat in STATS:
-                scalars[stat_tag(stat, number, L)] = values[stat]
+                scalars[stat_tag(stat, number, num_layers)] = values[stat]
         return scalars
 
 

@@ -48,7 +48,11 @@ def build_model(config: Config, state_dict: dict[str, torch.Tensor], source: str
         raise ValueError(f"{source}: invalid model config:\n  " + "\n  ".join(problems))
     model = Transformer(config.model, ParallelGroups.single_process())
     state_dict = _unwrap_state_dict(state_dict, source)
-    result = model.load_state_dict(state_dict, strict=False)
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"{source}: the weights do not fit the config's model shape ({e}); "
+                         "is the config the one this model was trained with?") from e
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"{source}: parameter names do not match the config's model "
                          f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}); "

@@ -51,6 +51,7 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
         ax.bar(layers, [p.delta_loss for p in run.pruning], width=width, label=run.name)
     ax.axhline(runs[0].summary.near_identity_threshold, color="grey", linestyle="--", linewidth=1,
                label="near-identity threshold")
+    ax.set_yscale("symlog", linthresh=runs[0].summary.near_identity_threshold)  # layer 1 would dwarf the rest
     ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
     ax.legend()
     names.append(_save(plt, fig, out_dir, "pruning.png"))

@@ -99,3 +99,24 @@ def test_tool_explains_missing_inputs(tmp_path):
     with pytest.raises(ValueError, match="parameter names do not match"):
         analyze_depth(["--state-dict", str(tmp_path / "bad.pt"), "--config", str(tmp_path / "run.yaml"),
                        "--data", "x", "--output", str(tmp_path / "out")])
+
+
+def test_tool_scores_a_multiple_choice_task(tmp_path):
+    from lnstrain.testing.tiny_corpus import build_tiny_corpus
+
+    corpus = build_tiny_corpus(tmp_path / "corpus", vocab_size=200, num_documents=100)
+    config = {"model": {"preset": "tiny", "vocab_size": 200, "num_layers": 2, "num_kv_heads": 4},
+              "data": {"sources": [{"prefix": str(corpus.prefix)}], "tokenizer": str(corpus.tokenizer), "seq_len": 16},
+              "train": {"steps": 1}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    torch.save(tiny_model(num_layers=2, vocab_size=200).state_dict(), tmp_path / "model.pt")
+    questions = [{"question": "the model reads", "choices": ["the signal.", "its variance again."], "answer": 0},
+                 {"question": "a layer scales", "choices": ["one value", "the loss", "every step"], "answer": "B"}]
+    (tmp_path / "task.jsonl").write_text("\n".join(json.dumps(q) for q in questions))
+    assert analyze_depth(["--state-dict", str(tmp_path / "model.pt"), "--config", str(tmp_path / "run.yaml"),
+                          "--data", str(corpus.prefix), "--num-samples", "4", "--mc-task", str(tmp_path / "task.jsonl"),
+                          "--output", str(tmp_path / "out"), "--no-plots"]) == 0
+    run = read_analyses(tmp_path / "out")[0]
+    assert run.baseline.accuracy in (0.0, 0.5, 1.0)
+    assert all(p.delta_accuracy == p.result.accuracy - run.baseline.accuracy for p in run.pruning)
+    assert "multiple-choice accuracy" in (tmp_path / "out" / "report.md").read_text()
