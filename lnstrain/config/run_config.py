@@ -57,12 +57,13 @@ class LoggingConfig:
         interval: log a line (rank 0) and TensorBoard scalars every this many steps.
         tensorboard: write TensorBoard event files under ``<run dir>/tensorboard``.
         depth_stats_interval: every this many steps, record per-layer statistics (residual
-            variance, gradient norms, sublayer-to-residual ratios); 0 disables them.
+            variance, gradient norms, sublayer-to-residual ratios); 0 disables them. At the default
+            of 100 the cost is well under 1% of training time (docs/depth_analysis.md).
     """
 
     interval: int = 10
     tensorboard: bool = True
-    depth_stats_interval: int = 0
+    depth_stats_interval: int = 100
 
     def validate(self) -> list[str]:
         problems = []
