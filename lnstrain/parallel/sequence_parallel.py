@@ -32,7 +32,10 @@ def sequence_parallel_params(modules: Mapping[str, nn.Module | None],
     with parameters; pass them as ``module(x, *stand_ins)``. Empty without sequence parallelism."""
     if not sums_sequence_parallel_grads(groups):
         return {}
-    owned = {name: list(module.parameters()) for name, module in modules.items() if module is not None}
+    # Looked up by attribute, not module.parameters(): ZeRO-3 gathers a partitioned parameter on
+    # attribute access during forward (its "external parameter" discovery), not on iteration.
+    owned = {name: [module.get_parameter(param) for param, _ in module.named_parameters()]
+             for name, module in modules.items() if module is not None}
     owned = {name: params for name, params in owned.items() if params}
     stand_ins = iter(sum_gradients_over_tp([p for params in owned.values() for p in params], groups))
     return {name: tuple(next(stand_ins) for _ in params) for name, params in owned.items()}

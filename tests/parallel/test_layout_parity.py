@@ -10,7 +10,7 @@ held-out loss after training (abs 1e-4). bf16 is checked only loosely (it is a d
 format).
 
 Sequence parallelism and replicated KV heads (partial gradients summed inside autograd) run with
-pipelines, ZeRO-1/2 and bf16, with selective recomputation on the pipelined and the plain path,
+pipelines, ZeRO-1/2/3 and bf16, with selective recomputation on the pipelined and the plain path,
 and at tensor 4 with each KV head shared by 2 ranks (a sub-group of the tensor group).
 """
 
@@ -44,6 +44,8 @@ FOUR_RANKS = [
     Layout("tp2_sp_dp2_zero1_selective", tensor=2, zero_stage=1, sequence_parallel=True, checkpointing="selective"),
     Layout("tp2_dp2_zero2_replicated_kv", tensor=2, zero_stage=2, kv_heads=1, fused_qkv=False),
     Layout("tp4_sp_zero1_kv_shared_by_2", tensor=4, zero_stage=1, sequence_parallel=True, fused_qkv=False),
+    Layout("tp2_sp_dp2_zero3_replicated_kv", tensor=2, zero_stage=3, sequence_parallel=True, kv_heads=1,
+           fused_qkv=False),  # ZeRO-3 gathers the norm gains the block hands on as stand-ins
 ]
 EXACT = [layout for layout in TWO_RANKS + FOUR_RANKS if layout.dtype == "fp32"]
 REFERENCES = list({layout.reference.name: layout.reference for layout in TWO_RANKS + FOUR_RANKS}.values())
