@@ -131,21 +131,24 @@ def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torc
     return HFRunner(spec.name, spec.config, device, batches)
 
 
-def time_interleaved(runners: list[StepRunner], steps: int
-                     ) -> tuple[list[list[float]], list[list[dict]], list[float]]:
-    """Per-runner step seconds, phase splits and last loss; the runners alternate order every step."""
-    seconds: list[list[float]] = [[] for _ in runners]
+def time_interleaved(runners: list[StepRunner], steps: int) -> dict[str, list]:
+    """Per-runner wall and process-CPU seconds per step, phase splits and last loss; the runners
+    alternate order every step. CPU seconds (all threads of this process) do not count time spent
+    waiting for a core, so on a shared CPU they compare runners when wall time cannot."""
+    wall: list[list[float]] = [[] for _ in runners]
+    cpu: list[list[float]] = [[] for _ in runners]
     phases: list[list[dict]] = [[] for _ in runners]
     losses = [float("nan")] * len(runners)
     for step in range(steps):
         order = list(enumerate(runners))
         for index, runner in (order if step % 2 == 0 else reversed(order)):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             losses[index] = runner.step()
-            seconds[index].append(time.perf_counter() - start)
+            wall[index].append(time.perf_counter() - start)
+            cpu[index].append(time.process_time() - start_cpu)
             if runner.last_phases is not None:
                 phases[index].append(runner.last_phases)
-    return seconds, phases, losses
+    return {"wall": wall, "cpu": cpu, "phases": phases, "losses": losses}
 
 
 def slowest_rank(seconds: list[list[float]]) -> list[list[float]]:
@@ -195,20 +198,28 @@ def main(argv: list[str] | None = None) -> dict:
         if index == 0:
             memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device))
         runners.append((spec, runner))
-    seconds, phases, losses = time_interleaved([runner for _, runner in runners], args.steps)
-    seconds = slowest_rank(seconds)
+    timed = time_interleaved([runner for _, runner in runners], args.steps)
+    seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]
+    on_cpu = device.type == "cpu"
 
     flops = flops_per_token(config.model, config.data.seq_len)
     results = []
-    for (spec, runner), times, split, loss in zip(runners, seconds, phases, losses):
+    for (spec, runner), times, cpu_times, split, loss in zip(runners, seconds, cpu_seconds, timed["phases"],
+                                                             timed["losses"]):
         timing = summarize(times)
         rate = throughput(timing.median, config.tokens_per_step, flops, world_size, peak.tflops)
         results.append({"name": runner.name, "kind": runner.kind,
                         "norm_scheme": NormScheme(spec.config.model.norm_scheme).value,
                         "step_time_s": timing.to_dict(), "throughput": rate.to_dict(),
+                        "cpu_time_s": summarize(cpu_times).to_dict() if on_cpu else None,
                         "breakdown_s": median_phases(split), "last_loss": loss})
-    comparisons = [paired_ratio(run["name"], times, results[0]["name"], seconds[0]).to_dict()
-                   for run, times in zip(results[1:], seconds[1:])]
+    comparisons = []
+    for run, times, cpu_times in zip(results[1:], seconds[1:], cpu_seconds[1:]):
+        comparison = paired_ratio(run["name"], times, results[0]["name"], seconds[0]).to_dict()
+        if on_cpu:
+            by_cpu = paired_ratio(run["name"], cpu_times, results[0]["name"], cpu_seconds[0])
+            comparison.update(cpu_time_median_ratio=by_cpu.median_ratio, cpu_time_ci95=list(by_cpu.ci95))
+        comparisons.append(comparison)
     doc = {
         "schema": SCHEMA,
         "command": shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -19,7 +19,8 @@ from lnstrain.estimate.flops import FLOPS_FORMULA, FlopsPerToken
 SCHEMA = "lnstrain.benchmark/1"
 REQUIRED_FIELDS = ("schema", "command", "environment", "shape", "flops", "peak", "protocol", "runners",
                    "comparisons", "memory")
-RUNNER_FIELDS = ("name", "kind", "norm_scheme", "step_time_s", "throughput", "breakdown_s", "last_loss")
+RUNNER_FIELDS = ("name", "kind", "norm_scheme", "step_time_s", "cpu_time_s", "throughput", "breakdown_s",
+                 "last_loss")
 
 
 def cpu_name() -> str:
@@ -89,19 +90,24 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{env['torch_threads']} threads; {shp['tokens_per_step']:,} tokens/step (batch {shp['global_batch_size']} "
         f"× seq {shp['seq_len']}), {shp['dtype']}, compile {shp['compile']}, checkpointing "
         f"{shp['activation_checkpointing']}; peak {peak['tflops'] or '-'} TFLOP/s ({peak['source']})",
-        f"{'runner':<28} {'median s':>9} {'p10-p90 s':>15} {'tok/s':>10} {'tok/s/dev':>10} "
+        f"{'runner':<28} {'median s':>9} {'p10-p90 s':>15} {'CPU s':>7} {'tok/s':>10} {'tok/s/dev':>10} "
         f"{'TFLOP/s':>8} {'MFU':>6}  fwd/bwd/opt s",
     ]
     for run in doc["runners"]:
         t, rate, phases = run["step_time_s"], run["throughput"], run["breakdown_s"]
         split = "/".join(f"{phases[p]:.3f}" for p in ("forward", "backward", "optimizer")) if phases else "-"
-        lines.append(f"{run['name']:<28} {t['median']:9.4f} {t['p10']:7.4f}-{t['p90']:<7.4f} "
+        cpu = f"{run['cpu_time_s']['median']:7.3f}" if run["cpu_time_s"] else f"{'-':>7}"
+        lines.append(f"{run['name']:<28} {t['median']:9.4f} {t['p10']:7.4f}-{t['p90']:<7.4f} {cpu} "
                      f"{rate['tokens_per_s']:10.1f} {rate['tokens_per_s_per_device']:10.1f} "
                      f"{rate['tflops_per_device']:8.3f} {_rate(rate['mfu'], 100, '{:.1f}%'):>6}  {split}")
     for comp in doc["comparisons"]:
         low, high = comp["ci95"]
-        lines.append(f"{comp['runner']} / {comp['reference']}: median step-time ratio {comp['median_ratio']:.4f} "
-                     f"(95% CI {low:.4f}-{high:.4f}, {comp['pairs']} interleaved pairs)")
+        line = (f"{comp['runner']} / {comp['reference']}: median step-time ratio {comp['median_ratio']:.4f} "
+                f"(95% CI {low:.4f}-{high:.4f}, {comp['pairs']} interleaved pairs)")
+        if "cpu_time_median_ratio" in comp:
+            low, high = comp["cpu_time_ci95"]
+            line += f"; CPU-time ratio {comp['cpu_time_median_ratio']:.4f} (95% CI {low:.4f}-{high:.4f})"
+        lines.append(line)
     mem = doc["memory"]
     if mem:
         measured = mem.get("peak_allocated_bytes", mem.get("peak_rss_bytes"))

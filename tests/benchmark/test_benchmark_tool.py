@@ -42,11 +42,13 @@ def check_document(doc: dict, runner_names: list[str]) -> None:
         timing, rate = run["step_time_s"], run["throughput"]
         assert len(timing["samples"]) == 2 and 0 < timing["min"] <= timing["median"] <= timing["max"]
         assert rate["tokens_per_s"] == pytest.approx(64 / timing["median"])
+        assert len(run["cpu_time_s"]["samples"]) == 2 and run["cpu_time_s"]["median"] > 0
         assert rate["tflops_per_device"] > rate["tflops_per_device_causal"] > 0
         assert abs(run["last_loss"] - math.log(256)) < 1.0     # random init: about ln(vocabulary)
     assert [c["runner"] for c in doc["comparisons"]] == runner_names[1:]
     for comp in doc["comparisons"]:
         assert comp["ci95"][0] <= comp["median_ratio"] <= comp["ci95"][1] and comp["pairs"] == 2
+        assert comp["cpu_time_ci95"][0] <= comp["cpu_time_median_ratio"] <= comp["cpu_time_ci95"][1]
 
 
 def test_model_runner_in_process_with_mfu_from_given_peak(tmp_path, capsys):
