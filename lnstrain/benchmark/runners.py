@@ -145,12 +145,8 @@ class ModelRunner(PlainRunner):
                  micro_batches: list[dict[str, torch.Tensor]]) -> None:
         from lnstrain.model.transformer import Transformer
 
-        mode = config.train.activation_checkpointing
-        if mode == "selective":
-            raise ValueError("train.activation_checkpointing: 'selective' is not supported by the model yet "
-                             "(TransformerBlock checkpoints whole layers); use 'full' or 'none'")
         model = Transformer(config.model, ParallelGroups.single_process())
-        model.set_activation_checkpointing(mode == "full")
+        model.set_activation_checkpointing(config.train.activation_checkpointing)
         if config.train.compile:
             for block in model.modules():
                 if isinstance(block, TransformerBlock):
