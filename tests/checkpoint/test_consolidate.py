@@ -1,4 +1,5 @@
-"""A sharded checkpoint consolidates to the single-process model's fp32 state dict, for every ZeRO stage."""
+"""A sharded checkpoint consolidates to the single-process model's fp32 state dict, for every ZeRO stage
+(other tensor/pipeline layouts: tests/checkpoint/test_layouts.py)."""
 
 from __future__ import annotations
 
@@ -54,11 +55,3 @@ def test_consolidated_state_dict_for_every_zero_stage(tiny_corpus, tmp_path):
             # ZeRO-0 clips with lnstrain's hook, ZeRO 1-3 with DeepSpeed's: same maths, other rounding
             torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-5 if stage else 0, msg=name)
 
-
-def test_other_layouts_raise_a_clear_error(tmp_path):
-    from lnstrain.checkpoint.consolidate import load_consolidated_state_dict
-    from tests.checkpoint.test_manager import fake_checkpoint
-
-    fake_checkpoint(tmp_path, 4, tensor_parallel=2, pipeline_parallel=2)
-    with pytest.raises(NotImplementedError, match="tensor_parallel=2, pipeline_parallel=2 is not implemented"):
-        load_consolidated_state_dict(tmp_path)
