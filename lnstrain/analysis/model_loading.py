@@ -61,15 +61,9 @@ def build_model(config: Config, state_dict: dict[str, torch.Tensor], source: str
 
 
 def _consolidated_reader():
-    """The checkpoint package's reader: any layout (`layouts`), else tensor = pipeline = 1 (`consolidate`)."""
-    try:
-        from lnstrain.checkpoint.layouts import load_consolidated_state_dict
-    except ImportError:
-        try:
-            from lnstrain.checkpoint.consolidate import load_consolidated_state_dict
-        except ImportError as e:
-            raise RuntimeError("this lnstrain cannot read checkpoints yet; pass --state-dict FILE.pt "
-                               "--config RUN.yaml instead of --checkpoint") from e
+    """The checkpoint package's reader of every layout (tensor, pipeline, data, ZeRO 0-3)."""
+    from lnstrain.checkpoint.layouts import load_consolidated_state_dict
+
     return load_consolidated_state_dict
 
 

@@ -15,7 +15,9 @@ Files in a ``global_step<N>/`` directory (DeepSpeed 0.19; "mp rank" m = pp_rank 
 tensor shards are joined with the layers' own ``unshard``, pipeline positions are mapped back to
 ``layers.{ℓ-1}`` through the layer numbers. fp32 master weights are preferred to the module's
 (bf16 or fp16) weights when present. ZeRO-3 checkpoints go through DeepSpeed's ``zero_to_fp32``
-(weights only, tensor and pipeline size 1).
+(weights only, tensor and pipeline size 1); ZeRO-3 writes its module states per data rank
+(``zero_pp_rank_{d}_mp_rank_{m}_model_states.pt``) instead of ``mp_rank_{m}_model_states.pt``, so
+the schedule and step counters are read from whichever of the two the checkpoint has.
 """
 
 from __future__ import annotations
@@ -101,10 +103,21 @@ def read_saved_layout(step_dir: str | os.PathLike, allow_pickle: bool = False) -
     if (step_dir / METADATA_FILE).is_file():
         meta = read_metadata(step_dir)
         return SavedLayout(meta.tensor_parallel, meta.pipeline_parallel, meta.data_parallel, meta.zero_stage)
-    states = load_deepspeed_file(step_dir / "mp_rank_00_model_states.pt", allow_pickle)
+    states = load_deepspeed_file(model_states_file(step_dir), allow_pickle)
     dims = states.get("checkpoint_parallel_dimensions", {})
     return SavedLayout(dims.get("tp_degree", 1), dims.get("pp_degree", 1), states["dp_world_size"],
                        states["ds_config"].get("zero_optimization", {}).get("stage", 0))
+
+
+def model_states_file(step_dir: str | os.PathLike) -> Path:
+    """The file holding the schedule and step counters: ``mp_rank_00_model_states.pt``, or ZeRO-3's
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt``."""
+    step_dir = Path(step_dir)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (step_dir / name).is_file():
+            return step_dir / name
+    raise FileNotFoundError(f"{step_dir} has neither mp_rank_00_model_states.pt nor ZeRO-3's "
+                            "zero_pp_rank_0_mp_rank_00_model_states.pt: not a DeepSpeed checkpoint")
 
 
 # --- per tensor rank: local tensors under their saved names ----------------------------------------
@@ -204,7 +217,7 @@ def read_full_state(step_dir: str | os.PathLike, config: Config | None = None, w
     step_dir = Path(step_dir)
     config = config or read_step_config(step_dir)
     layout = read_saved_layout(step_dir, allow_pickle)
-    states = load_deepspeed_file(step_dir / "mp_rank_00_model_states.pt", allow_pickle)
+    states = load_deepspeed_file(model_states_file(step_dir), allow_pickle)
     result = FullState(weights={}, scheduler_state=states.get("lr_scheduler"),
                        engine_counters={k: int(states.get(k) or 0) for k in ("global_steps", "global_samples",
                                                                              "skipped_steps")})

@@ -18,7 +18,7 @@ ZERO_STAGES = (0, 1, 3)  # ZeRO-2 saves the same files as ZeRO-1
 
 def train_each_zero_stage(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict | None:
     """Train 1 step per ZeRO stage; return (rank 0) each run's consolidated and in-memory weights."""
-    from lnstrain.checkpoint.consolidate import load_consolidated_state_dict
+    from lnstrain.checkpoint.layouts import load_consolidated_state_dict
     from lnstrain.training.trainer import Trainer
 
     results = {}
@@ -54,4 +54,17 @@ def test_consolidated_state_dict_for_every_zero_stage(tiny_corpus, tmp_path):
         for name, tensor in reference.items():
             # ZeRO-0 clips with lnstrain's hook, ZeRO 1-3 with DeepSpeed's: same maths, other rounding
             torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-5 if stage else 0, msg=name)
+
+    # ZeRO-3 writes no mp_rank_00_model_states.pt; the tool goes through the same any-layout reader
+    from lnstrain.checkpoint.consolidated_file import load_consolidated
+    from tests.checkpoint.test_layouts import _tool
+
+    output = tmp_path / "zero3.safetensors"
+    assert _tool("consolidate_checkpoint").main(["--checkpoint", str(tmp_path / "zero3" / "tiny"),
+                                                 "--output", str(output)]) == 0
+    tool_config, tool_state = load_consolidated(output)
+    assert tool_config.parallel.zero_stage == 3
+    assert sorted(tool_state) == sorted(results[3]["state"])
+    for name, tensor in results[3]["state"].items():
+        torch.testing.assert_close(tool_state[name], tensor, rtol=0, atol=0, msg=name)
 
