@@ -17,11 +17,12 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 #: a realistic GPU count per shipped config: one 8-GPU node, 2 nodes for 7B (tensor 2 × pipeline 2)
-WORLD_SIZE = {"7b": 16, "demo": 2}
+#: (the depth demo runs one CPU rank: its micro batch is the whole global batch)
+WORLD_SIZE = {"7b": 16, "demo_depth": 1, "demo": 2}
 
 
 def world_size_for(path: Path) -> int:
-    return WORLD_SIZE.get(path.stem.split("_")[0], 8)
+    return next((size for prefix, size in WORLD_SIZE.items() if path.stem.startswith(prefix)), 8)
 
 
 def test_7b_report_mentions_every_item_and_is_fast():
