@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 import lnstrain
+from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
                                           CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
                                           read_metadata, restore_rng_state, save_rng_state, step_dir_name,
@@ -118,6 +119,7 @@ def apply_retention(checkpoint_dir: str | Path, keep_last: int | None) -> list[P
         if step_dir.name in keep or step_of(step_dir) >= latest_step:
             continue
         (step_dir / COMPLETE_MARKER).unlink()  # first, so a half-deleted directory reads as incomplete
+        save_points.reached("old checkpoint marked incomplete", step_dir)
         shutil.rmtree(step_dir)
         deleted.append(step_dir)
     return deleted
@@ -131,6 +133,16 @@ class TrainingPosition:
     step: int = 0
     consumed_samples: int = 0
     tokens_seen: int = 0
+    skipped_sample_ranges: list[list[int]] = field(default_factory=list)
+    """[start, end) consumed-sample ranges the run never trains on (``train.nonfinite_policy: rollback``)."""
+    nonfinite_steps: int = 0
+    loss_spikes: int = 0
+    skipped_batches: int = 0
+
+    @classmethod
+    def from_metadata(cls, metadata: CheckpointMetadata) -> "TrainingPosition":
+        return cls(metadata.step, metadata.consumed_samples, metadata.tokens_seen,
+                   [list(r) for r in metadata.skipped_sample_ranges], metadata.nonfinite_steps, metadata.loss_spikes, metadata.skipped_batches)
 
 
 def _barrier() -> None:
@@ -169,27 +181,35 @@ class CheckpointManager:
             data_fingerprint=self.data_fingerprint, tokenizer_checksum=self.tokenizer_checksum,
             lnstrain_version=lnstrain.__version__, world_size=self.world_size, tensor_parallel=tp,
             pipeline_parallel=pp, data_parallel=dp, zero_stage=self.config.parallel.zero_stage,
-            precision=self.config.precision.dtype)
+            precision=self.config.precision.dtype, skipped_sample_ranges=[list(r) for r in position.skipped_sample_ranges],
+            nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
+            skipped_batches=position.skipped_batches)
 
     def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``."""
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
+        save_points.reached("save started", step_dir)
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             if step_dir.exists():  # an interrupted save, or a step redone after resuming from an older one
                 (step_dir / COMPLETE_MARKER).unlink(missing_ok=True)
+                save_points.reached("stale step directory marked incomplete", step_dir)
                 shutil.rmtree(step_dir)
         _barrier()
-        deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
-                                         client_state={"lnstrain_position": vars(position)})
+        with save_points.around_deepspeed_files(deepspeed_engine):
+            deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
+                                             client_state={"lnstrain_position": vars(position)})
         save_rng_state(step_dir, rank)
+        save_points.reached("RNG state written", step_dir)
         if rank == 0:
             write_atomically(step_dir / METADATA_FILE, self.metadata(position).to_json())
             write_atomically(step_dir / CONFIG_FILE, self.config.to_yaml())
         fsync_tree(step_dir)
+        save_points.reached("step directory fsynced", step_dir)
         _barrier()  # every rank's files are written and flushed
+        save_points.reached("every rank finished writing", step_dir)
         if rank == 0:
             write_atomically(step_dir / COMPLETE_MARKER, f"{time.time()}\n")
             write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
@@ -205,10 +225,7 @@ class CheckpointManager:
     def load(self, deepspeed_engine: Any, step_dir: Path) -> TrainingPosition:
         """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
         metadata = read_metadata(step_dir)
-        if not self.config.checkpoint.allow_data_mismatch:
-            problems = data_mismatch_problems(metadata, step_dir, self.data_fingerprint, self.tokenizer_checksum)
-            if problems:
-                raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
+        self.check_same_data(step_dir)
         load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
@@ -221,8 +238,21 @@ class CheckpointManager:
             logger.warning("%s was saved by %d ranks, this run has %d: RNG states are not restored for "
                            "rank %d (dropout masks differ from the uninterrupted run)",
                            step_dir, metadata.world_size, self.world_size, rank)
-        self.last_saved_step = metadata.step
-        self.last_save_time = time.monotonic()
+        self.mark_loaded(metadata)
         logger.info("resumed from %s: step %d, %d samples consumed", step_dir, metadata.step,
                     metadata.consumed_samples)
-        return TrainingPosition(metadata.step, metadata.consumed_samples, metadata.tokens_seen)
+        return TrainingPosition.from_metadata(metadata)
+
+    def mark_loaded(self, metadata: CheckpointMetadata) -> None:
+        """Record that the engine now holds the checkpoint ``metadata`` describes (nothing to save yet)."""
+        self.last_saved_step = metadata.step
+        self.last_save_time = time.monotonic()
+
+    def check_same_data(self, step_dir: Path) -> None:
+        """Raise unless ``step_dir`` was trained on this run's data and tokenizer (or mismatches are allowed)."""
+        if self.config.checkpoint.allow_data_mismatch:
+            return
+        problems = data_mismatch_problems(read_metadata(step_dir), step_dir, self.data_fingerprint,
+                                          self.tokenizer_checksum)
+        if problems:
+            raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lnstrain.checkpoint import save_points
+
 METADATA_FILE = "lnstrain_metadata.json"
 CONFIG_FILE = "config.yaml"
 COMPLETE_MARKER = "lnstrain_complete"
@@ -49,6 +51,11 @@ class CheckpointMetadata:
     zero_stage: int
     precision: str
     format_version: int = FORMAT_VERSION
+    skipped_sample_ranges: list[list[int]] = dataclasses.field(default_factory=list)
+    """[start, end) ranges of consumed samples never trained on (rolled back or skipped on purpose)."""
+    nonfinite_steps: int = 0
+    loss_spikes: int = 0
+    skipped_batches: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -57,7 +64,9 @@ class CheckpointMetadata:
     def from_json(cls, text: str, source: str) -> "CheckpointMetadata":
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(n for n in names if n not in data and n != "format_version")
+        optional = {f.name for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise ValueError(f"{source}: not an lnstrain checkpoint metadata file (missing {', '.join(missing)})")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -110,10 +119,14 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(temporary, "w", encoding="utf-8") as handle:
+        save_points.reached("temporary file opened", path)
         handle.write(text)
         handle.flush()
+        save_points.reached("temporary file written", path)
         os.fsync(handle.fileno())
+    save_points.reached("temporary file fsynced", path)
     os.replace(temporary, path)
+    save_points.reached("renamed into place", path)
     fsync_file(path.parent)
 
 
