@@ -58,14 +58,22 @@ def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> 
 
 
 def configure_process(rank: int, local_world_size: int) -> None:
-    """Logging (progress from rank 0, warnings from all) and CPU threads (cores shared by local ranks)."""
+    """Logging (progress from rank 0, warnings from all) and CPU threads.
+
+    Threads: an explicit ``OMP_NUM_THREADS`` is respected (torchrun sets 1 itself when it starts
+    several ranks per node); without it, a CPU-only rank takes ``cores / local ranks`` threads.
+    """
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     import torch
 
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+    if not torch.cuda.is_available() and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_rank(local_world_size))
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
 def init_distributed() -> None:
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return result.exit_code  # 0, or 3 when train.nonfinite_policy stopped the run
 
 
 if __name__ == "__main__":

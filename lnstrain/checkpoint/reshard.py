@@ -38,6 +38,19 @@ def needs_resharding(step_dir: str | Path, layout: tuple[int, int, int]) -> bool
     return (saved.tensor, saved.pipeline, saved.data) != tuple(layout)
 
 
+def reshard_problems(step_dir: str | Path, layout: tuple[int, int, int], fresh_optimizer_ok: bool) -> list[str]:
+    """Why ``step_dir`` cannot resume at ``layout`` (tensor, pipeline, data); empty when it can.
+
+    Only ZeRO-1/2 checkpoints give back the Adam moments at another layout."""
+    saved = read_saved_layout(step_dir)
+    if (saved.tensor, saved.pipeline, saved.data) == tuple(layout) or saved.zero_stage in (1, 2) or fresh_optimizer_ok:
+        return []
+    return [f"{step_dir} was saved at (tensor, pipeline, data) = ({saved.tensor}, {saved.pipeline}, {saved.data}) "
+            f"with ZeRO-{saved.zero_stage}, whose Adam moments cannot be resharded to this run's {tuple(layout)}; "
+            "resume at the saved layout, or set checkpoint.reshard_with_fresh_optimizer: true to continue with "
+            "the weights, schedule and data position and fresh optimizer moments"]
+
+
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
     optimizer = engine.optimizer
     return getattr(optimizer, "optimizer", optimizer)
@@ -111,7 +124,7 @@ def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer
                 meta.pipeline_parallel, meta.data_parallel, training_engine.groups.tp_size,
                 training_engine.groups.pp_size, training_engine.groups.dp_size, meta.step, meta.consumed_samples,
                 state.weights_source, "carried" if state.moments else "NOT carried")
-    return TrainingPosition(meta.step, meta.consumed_samples, meta.tokens_seen)
+    return TrainingPosition.from_metadata(meta)
 
 
 def initialize_from(training_engine: Any, path: str | Path, unfold_lns: bool = False) -> None:

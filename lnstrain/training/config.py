@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -104,6 +104,17 @@ class TrainConfig:
             (recompute attention only).
         compile: wrap each transformer layer in ``torch.compile``.
         max_wallclock_minutes: save and exit cleanly once the run has used this long.
+        nonfinite_policy: what a step with a non-finite loss or output does (its update is never
+            applied): ``skip`` (go on with the next batch), ``stop`` (save the last good weights and
+            exit with status 3) or ``rollback`` (reload the last checkpoint and never train on the
+            offending global batches again; the skipped ranges are kept in later checkpoints).
+        max_nonfinite_in_a_row: ``skip``: stop (save, exit 3) after this many non-finite steps in a
+            row; ``rollback``: stop after this many rollbacks without a checkpoint in between.
+        spike_window: steps of finite losses a loss spike is measured against; 0 disables detection.
+        spike_zscore: a loss more than this many standard deviations above the window's mean is
+            logged (and counted) as a spike.
+        skip_sample_ranges: ``[start, end)`` ranges of consumed samples never trained on, e.g.
+            ``[[4096, 8192]]`` to skip known-bad data (the data position jumps over them).
     """
 
     global_batch_size: int = 512
@@ -116,6 +127,11 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     max_wallclock_minutes: float | None = None
+    nonfinite_policy: Literal["skip", "stop", "rollback"] = "skip"
+    max_nonfinite_in_a_row: int = 10
+    spike_window: int = 100
+    spike_zscore: float = 6.0
+    skip_sample_ranges: list[list[int]] = field(default_factory=list)
 
     def validate(self) -> list[str]:
         problems = []
@@ -134,4 +150,16 @@ class TrainConfig:
             problems.append("train.eval_interval and train.eval_batches must be >= 0")
         if self.max_wallclock_minutes is not None and self.max_wallclock_minutes <= 0:
             problems.append(f"train.max_wallclock_minutes must be > 0 (got {self.max_wallclock_minutes})")
+        if self.nonfinite_policy not in ("skip", "stop", "rollback"):
+            problems.append(f"train.nonfinite_policy must be skip, stop or rollback (got {self.nonfinite_policy!r})")
+        if self.max_nonfinite_in_a_row < 1:
+            problems.append(f"train.max_nonfinite_in_a_row must be >= 1 (got {self.max_nonfinite_in_a_row})")
+        if self.spike_window < 0 or (self.spike_window and self.spike_window < 2):
+            problems.append(f"train.spike_window must be 0 (off) or >= 2 (got {self.spike_window})")
+        if self.spike_zscore <= 0:
+            problems.append(f"train.spike_zscore must be > 0 (got {self.spike_zscore})")
+        for entry in self.skip_sample_ranges:
+            if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
+                problems.append(f"train.skip_sample_ranges: {entry} is not a [start, end) range with "
+                                "0 <= start < end")
         return problems

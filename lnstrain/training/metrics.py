@@ -28,6 +28,10 @@ class StepMetrics:
     skipped: bool
     step_seconds: float
     tokens_seen: int
+    nonfinite_steps: int = 0
+    """Run totals (kept in checkpoints): non-finite steps, global batches skipped, loss spikes."""
+    skipped_batches: int = 0
+    loss_spikes: int = 0
 
 
 def format_duration(seconds: float) -> str:
@@ -72,7 +76,7 @@ class MetricsLogger:
     def record_step(self, metrics: StepMetrics, log_now: bool) -> None:
         self._window.append(metrics)
         self._steps_this_run += 1
-        if metrics.skipped:
+        if metrics.skipped and metrics.loss_scale is not None:
             logger.warning("step %d skipped by the loss scaler (overflow); loss scale now %s",
                            metrics.step, metrics.loss_scale)
         if not log_now:
@@ -82,18 +86,24 @@ class MetricsLogger:
             return
         seconds = sum(m.step_seconds for m in window)
         tokens_per_s = len(window) * self.tokens_per_step / max(seconds, 1e-9)
-        loss = sum(m.loss for m in window) / len(window)
+        finite = [m.loss for m in window if math.isfinite(m.loss)]
+        loss = sum(finite) / len(finite) if finite else math.nan
         last = window[-1]
         elapsed = time.monotonic() - self._started
         eta = elapsed / self._steps_this_run * (self.total_steps - last.step)
         grad_norm = "n/a" if last.grad_norm is None else f"{last.grad_norm:.3f}"
         scale = "" if last.loss_scale is None else f" | loss scale {last.loss_scale:g}"
-        logger.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tokens/s | %s tokens | ETA %s%s",
+        health = (f" | non-finite {last.nonfinite_steps} | skipped batches {last.skipped_batches} | "
+                  f"spikes {last.loss_spikes}") if (last.nonfinite_steps or last.skipped_batches or last.loss_spikes) else ""
+        logger.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tokens/s | %s tokens | ETA %s%s%s",
                     last.step, self.total_steps, loss, last.lr, grad_norm, tokens_per_s,
-                    f"{last.tokens_seen:,}", format_duration(eta), scale)
+                    f"{last.tokens_seen:,}", format_duration(eta), scale, health)
         for tag, value in (("train/loss", loss), ("train/lr", last.lr), ("train/grad_norm", last.grad_norm),
                            ("train/loss_scale", last.loss_scale), ("train/tokens_per_s", tokens_per_s),
-                           ("train/tokens_seen", float(last.tokens_seen))):
+                           ("train/tokens_seen", float(last.tokens_seen)),
+                           ("train/nonfinite_steps", float(last.nonfinite_steps)),
+                           ("train/skipped_batches", float(last.skipped_batches)),
+                           ("train/loss_spikes", float(last.loss_spikes))):
             self.scalar(tag, value, last.step, last.tokens_seen)
 
     def record_eval(self, step: int, tokens_seen: int, loss: float) -> None:

@@ -9,7 +9,9 @@ a resumed run sees exactly the batches the uninterrupted run would have seen.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,16 +22,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, resolve_resume
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint, resolve_resume
+from lnstrain.checkpoint.metadata import read_metadata, write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.evaluation import evaluate, validation_samples
-from lnstrain.training.metrics import MetricsLogger, StepMetrics
+from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
+from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
 from lnstrain.training.preflight import tokenizer_checksum
 from lnstrain.training.signals import StopController
 
 logger = logging.getLogger(__name__)
+
+EXIT_NONFINITE = 3
+"""Exit status of a run stopped by non-finite losses (``train.nonfinite_policy``)."""
+FINAL_METRICS_FILE = "final_metrics.json"
 
 
 @dataclass
@@ -42,6 +50,9 @@ class TrainingResult:
     stop_reason: str = "finished"
     resumed_from: str | None = None
     last_checkpoint: str | None = None
+    exit_code: int = 0
+    rollbacks: list[str] = field(default_factory=list)
+    """One entry per rollback: the checkpoint reloaded."""
 
 
 def seed_everything(seed: int) -> None:
@@ -94,14 +105,45 @@ class Trainer:
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=config.run.dir / "tensorboard" if config.logging.tensorboard else None)
         self.depth_stats = _depth_stats_collector(config, self.engine.module, self.groups)
+        self.guard = None
+        if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
+            deepspeed_optimizer = self.engine.engine.optimizer
+            self.guard = NonFiniteGuard(self.engine.module, getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer),
+                                        self.engine.device)
+        self.spikes = LossSpikeDetector(config.train.spike_window, config.train.spike_zscore)
+        self._rolled_back_ranges: list[list[int]] = []
+        self._micro_batches = None
+        self._iterator_at = -1
 
     def resume(self) -> tuple[TrainingPosition, Path | None]:
-        step_dir, problems = resolve_resume(self.config.checkpoint.resume, self.config.checkpoint_dir)
+        """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
+        ``checkpoint.init_from`` when given."""
+        checkpoint = self.config.checkpoint
+        step_dir, problems = resolve_resume(checkpoint.resume, self.config.checkpoint_dir)
         if problems:
             raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
         if step_dir is None:
+            if checkpoint.init_from:
+                from lnstrain.checkpoint.reshard import initialize_from
+
+                initialize_from(self.engine, checkpoint.init_from)
             return TrainingPosition(), None
-        return self.checkpoints.load(self.engine.engine, step_dir), step_dir
+        return self._load(step_dir), step_dir
+
+    def _load(self, step_dir: Path) -> TrainingPosition:
+        from lnstrain.checkpoint.reshard import load_resharded, needs_resharding, reshard_problems
+
+        layout = (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size)
+        self.checkpoints.check_same_data(step_dir)
+        if not needs_resharding(step_dir, layout):
+            return self.checkpoints.load(self.engine.engine, step_dir)
+        fresh_optimizer = self.config.checkpoint.reshard_with_fresh_optimizer
+        problems = reshard_problems(step_dir, layout, fresh_optimizer)
+        if problems:
+            raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
+        position = load_resharded(self.engine, step_dir, require_optimizer_state=not fresh_optimizer)
+        self.checkpoints.mark_loaded(read_metadata(step_dir))
+        return position
 
     def evaluate(self) -> float | None:
         train = self.config.train
@@ -121,48 +163,138 @@ class Trainer:
             result.eval_losses[position.step] = loss
             self.metrics.record_eval(position.step, position.tokens_seen, loss)
 
-    def _step(self, batch: list, position: TrainingPosition, result: TrainingResult) -> float:
-        """One optimizer step, its metrics and (when due) depth statistics; returns its duration."""
+    def _must_skip(self, position: TrainingPosition) -> bool:
+        """Whether the next global batch lies in ``train.skip_sample_ranges`` or a rolled-back range."""
+        start, end = position.consumed_samples, position.consumed_samples + self.global_batch
+        ranges = self.config.train.skip_sample_ranges + position.skipped_sample_ranges
+        return any(a < end and start < b for a, b in ranges)
+
+    def _skip_step(self, position: TrainingPosition) -> None:
+        """A step without training: the data position and the learning-rate schedule move on."""
+        logger.warning("step %d: skipping samples [%d, %d) (train.skip_sample_ranges or a rollback)",
+                       position.step + 1, position.consumed_samples, position.consumed_samples + self.global_batch)
+        self.engine.scheduler.step()
+        position.step += 1
+        position.consumed_samples += self.global_batch
+        position.skipped_batches += 1
+
+    def _next_batch(self, position: TrainingPosition) -> list:
+        """This rank's micro-batches of global batch ``position.consumed_samples / global batch``."""
+        start = position.consumed_samples
+        if self._micro_batches is None or self._iterator_at != start:
+            self._micro_batches = iterate_micro_batches(self.train_data, start, self.global_batch, self.micro_batch,
+                                                        self.groups.dp_rank, self.groups.dp_size)
+        batch = list(itertools.islice(self._micro_batches, self.accumulation))
+        if len(batch) < self.accumulation:
+            raise RuntimeError(f"training data ran out at step {position.step + 1} ({start} samples consumed)")
+        self._iterator_at = start + self.global_batch
+        return batch
+
+    def _step(self, batch: list, position: TrainingPosition, result: TrainingResult) -> tuple[float, bool]:
+        """One optimizer step, its metrics and (when due) depth statistics; returns its duration and
+        whether it was non-finite (its update then not applied)."""
         config = self.config
         depth_stats_now = self.depth_stats is not None and self.depth_stats.wants(position.step + 1)
         if depth_stats_now:
             self.depth_stats.arm()
+        if self.guard is not None:
+            self.guard.begin_step()
         started = time.perf_counter()
-        step = self.engine.train_step(batch)
+        step = self.engine.train_step(batch, before_optimizer_step=self.guard.decide if self.guard else None)
         seconds = time.perf_counter() - started
+        nonfinite = (self.guard.end_step() if self.guard else False) or not math.isfinite(step.loss)
+        if nonfinite and step.skipped:  # DeepSpeed skipped it (and its schedule step): keep lr = f(step)
+            self.engine.scheduler.step()
         position.step += 1
         position.consumed_samples += self.global_batch
         position.tokens_seen += config.tokens_per_step
         result.losses[position.step] = float(step.loss)
+        if nonfinite:
+            position.nonfinite_steps += 1
+            logger.warning("non-finite loss or output at step %d (loss %s): its update was not applied "
+                           "(train.nonfinite_policy: %s)", position.step, step.loss, config.train.nonfinite_policy)
+        spike = self.spikes.observe(float(step.loss))
+        if spike is not None:
+            position.loss_spikes += 1
+            logger.warning("loss spike at step %d: %.4f is %.1f standard deviations above the mean of the last "
+                           "%d steps", position.step, step.loss, spike, len(self.spikes.recent) - 1)
         self.metrics.record_step(StepMetrics(
             position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
-            seconds, position.tokens_seen), log_now=position.step % config.logging.interval == 0)
+            seconds, position.tokens_seen, position.nonfinite_steps, position.skipped_batches, position.loss_spikes),
+            log_now=position.step % config.logging.interval == 0)
         if depth_stats_now:
             stats = self.depth_stats.collect(position.step, step.loss_scale or 1.0)
             self.metrics.record_depth_stats(stats, position.step)
-        return seconds
+        return seconds, nonfinite
+
+    def _roll_back(self, position: TrainingPosition, result: TrainingResult) -> TrainingPosition | None:
+        """Reload the newest checkpoint and never train on the batch that just failed; None when
+        there is no checkpoint to go back to."""
+        step_dir = newest_checkpoint(self.config.checkpoint_dir)
+        if step_dir is None:
+            return None
+        self._rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])
+        restored = self.checkpoints.load(self.engine.engine, step_dir)
+        ranges = {tuple(r) for r in restored.skipped_sample_ranges + self._rolled_back_ranges}
+        restored.skipped_sample_ranges = [list(r) for r in sorted(ranges)]
+        # the counters keep what happened since; the jump over the failed batch counts it as skipped
+        restored.nonfinite_steps, restored.loss_spikes = position.nonfinite_steps, position.loss_spikes
+        restored.skipped_batches = position.skipped_batches  # the replay counts the failed batch when it skips it
+        for steps in (result.losses, result.eval_losses):  # the replay records them again
+            for step in [s for s in steps if s > restored.step]:
+                del steps[step]
+        result.rollbacks.append(str(step_dir))
+        logger.warning("rolled back to %s (step %d); samples %s will be skipped", step_dir, restored.step,
+                       restored.skipped_sample_ranges)
+        return restored
+
+    def _write_final_metrics(self, result: TrainingResult) -> None:
+        position = result.position
+        loss = result.eval_losses.get(position.step)
+        if self.rank != 0 or loss is None:
+            return
+        metrics = {"step": position.step, "tokens": position.tokens_seen, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+        write_atomically(self.config.run.dir / FINAL_METRICS_FILE, json.dumps(metrics, indent=2) + "\n")
 
     def train(self, stop_at_step: int | None = None) -> TrainingResult:
-        """Train to ``config.total_steps``, or stop (saving) early on a signal, the wall-clock limit or
-        at ``stop_at_step`` (what a signal would do, at a chosen step: for tests and staged runs)."""
+        """Train to ``config.total_steps``, or stop (saving) early on a signal, the wall-clock limit,
+        non-finite losses (``train.nonfinite_policy``) or at ``stop_at_step`` (what a signal would do,
+        at a chosen step: for tests and staged runs)."""
         config = self.config
         position, resumed_from = self.resume()
         result = TrainingResult(position, resumed_from=str(resumed_from) if resumed_from else None)
         stop = StopController(config.train.max_wallclock_minutes, config.checkpoint.interval_minutes,
                               self.engine.device).install()
-        micro_batches = iterate_micro_batches(self.train_data, position.consumed_samples, self.global_batch,
-                                              self.micro_batch, self.groups.dp_rank, self.groups.dp_size)
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
+        policy, patience = config.train.nonfinite_policy, config.train.max_nonfinite_in_a_row
+        bad_in_a_row = rollbacks_in_a_row = 0
         logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
                     position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
                     config.tokens_per_step)
         try:
             while position.step < self.total_steps:
-                batch = list(itertools.islice(micro_batches, self.accumulation))
-                if len(batch) < self.accumulation:
-                    raise RuntimeError(f"training data ran out at step {position.step + 1} "
-                                       f"({position.consumed_samples} samples consumed)")
-                seconds = self._step(batch, position, result)
+                if self._must_skip(position):
+                    self._skip_step(position)
+                    seconds, nonfinite = 0.0, False
+                else:
+                    seconds, nonfinite = self._step(self._next_batch(position), position, result)
+                bad_in_a_row = bad_in_a_row + 1 if nonfinite else 0
+                if nonfinite and policy == "rollback" and rollbacks_in_a_row < patience:
+                    restored = self._roll_back(position, result)
+                    if restored is not None:
+                        rollbacks_in_a_row += 1
+                        position = result.position = restored
+                        continue
+                if nonfinite and (policy != "skip" or bad_in_a_row >= patience):
+                    result.last_checkpoint = self._save(position, stop)
+                    result.stop_reason = (f"non-finite loss at step {position.step} (train.nonfinite_policy: {policy}, "
+                                          f"{bad_in_a_row} in a row, {len(result.rollbacks)} rollbacks)")
+                    result.exit_code = EXIT_NONFINITE
+                    logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
+                                 result.last_checkpoint)
+                    return result
+                if nonfinite:
+                    position.skipped_batches += 1
                 finished = position.step == self.total_steps
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
@@ -172,6 +304,7 @@ class Trainer:
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
                     result.last_checkpoint = self._save(position, stop)
+                    rollbacks_in_a_row = 0
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
                     logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
@@ -179,10 +312,13 @@ class Trainer:
             self._record_eval(result)
             if config.checkpoint.save_at_end and self.checkpoints.last_saved_step != position.step:
                 result.last_checkpoint = self._save(position, stop)
+            self._write_final_metrics(result)
             return result
         finally:
             stop.uninstall()
             self.metrics.close()
+            if self.guard is not None:
+                self.guard.remove()
 
 
 def pretrain(config: Config, world_size: int, stop_at_step: int | None = None) -> TrainingResult:
