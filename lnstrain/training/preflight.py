@@ -67,13 +67,19 @@ def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
             for key, value in config.to_dict()["model"].items() if saved.get(key) != value]
 
 
-def resume_problems(config: Config, compare_data: bool = True) -> list[str]:
-    """The checkpoint to resume from exists, is complete, has this run's model shape and
-    (``compare_data``) was trained on this run's data and tokenizer."""
+def resume_problems(config: Config, compare_data: bool = True, world_size: int | None = None) -> list[str]:
+    """The checkpoint to resume from exists, is complete, has this run's model shape, can be
+    resharded to this run's layout (given ``world_size``) and (``compare_data``) was trained on this
+    run's data and tokenizer."""
     step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
     if step_dir is None or problems:
         return problems
     problems = model_mismatch_problems(config, step_dir)
+    if world_size is not None and not problems:
+        from lnstrain.checkpoint.reshard import reshard_problems
+
+        layout = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
+        problems += reshard_problems(step_dir, layout, config.checkpoint.reshard_with_fresh_optimizer)
     if config.checkpoint.allow_data_mismatch or not compare_data:
         return problems
     from lnstrain.data.fingerprint import data_fingerprint
@@ -100,5 +106,8 @@ def preflight_problems(config: Config, world_size: int) -> list[str]:
     checkpoint_key = "checkpoint.dir" if config.checkpoint.dir else "run.output_dir"
     if config.checkpoint.dir or not run_dir_problems:
         problems += writable_dir_problems(config.checkpoint_dir, checkpoint_key)
-    problems += resume_problems(config, compare_data=not problems)  # fingerprints need readable data
+    if not problems:
+        problems += resume_problems(config, compare_data=True, world_size=world_size)
+    else:
+        problems += resume_problems(config, compare_data=False)  # fingerprints need readable data
     return problems
