@@ -60,19 +60,21 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q and k, and v, each [batch, seq, heads, head_dim]."""
+        batch, seq, _ = x.shape
         if hasattr(self, "qkv_proj"):
-            return self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.rotary.fused_qkv(self.qkv_proj(x), self.local_heads, self.local_kv_heads)
+        q = self.q_proj(x).view(batch, seq, self.local_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim)
+        q, k = self.rotary(q, k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [batch, seq, hidden] (sequence-sharded under sequence parallelism)."""
         x = enter_tp_region(x, self.groups)
         batch, seq, _ = x.shape
-        q, k, v = self._project(x)
-        q = q.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, k)
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))
         if self.checkpoint_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:

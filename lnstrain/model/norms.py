@@ -4,6 +4,10 @@ y = normalize(x) * (weight * output_scale) (+ bias * output_scale): the multipli
 O(hidden) op on the weight, nothing per activation. `output_scale` is a plain float
 attribute (LNS uses it), never a parameter or buffer.
 
+RMSNorm is one call either way: apex's fused kernel on CUDA when apex is importable, else
+``torch.nn.functional.rms_norm`` (fp32 statistics; in fp32 bitwise the textbook expression
+x * rsqrt(mean(x^2) + eps) * gain, and one graph node for ``torch.compile`` to fuse).
+
 `forward(x, *params)` may be given stand-ins for the module's own parameters (same values, in
 `parameters()` order): under sequence parallelism the block routes them through an autograd
 function that sums their gradients over the tensor group.
@@ -35,9 +39,7 @@ class RMSNorm(nn.Module):
         gain = weight * self.output_scale if self.output_scale != 1.0 else weight
         if fused_rms_norm_affine is not None and x.is_cuda:
             return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
-        x32 = x.float()
-        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normalized.type_as(x) * gain
+        return F.rms_norm(x, weight.shape, gain, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -1,4 +1,16 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face LLaMA)."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face LLaMA).
+
+Everything here works on heads laid out as the projections produce them, ``[batch, seq, heads,
+head_dim]``, with cos/sin tables cached in the exact broadcast shape ``[seq, 1, head_dim]``.
+
+rotate(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
+
+For the fused q|k|v projection, ``RotaryEmbedding.fused_qkv`` rotates q and k in one pass over
+their contiguous block of heads and, in backward, writes the gradient of the whole fused output
+into one buffer, so neither direction copies q, k or v beyond the rotation itself. Its results
+(forward and gradients) are bitwise those of ``rotate`` applied to q and k separately, which is
+what it does under ``torch.compile`` (where inductor fuses the copies away anyway).
+"""
 
 from __future__ import annotations
 
@@ -23,22 +35,81 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", None, persistent=False)
         self.register_buffer("sin_cached", None, persistent=False)
 
-    def _tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0..seq_len-1, shaped [seq_len, 1, head_dim]."""
         cached = self.cos_cached
         if cached is None or cached.shape[0] < seq_len or cached.device != device or cached.dtype != dtype:
             exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
             inv_freq = 1.0 / (self.theta ** exponents)
             angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-            angles = torch.cat((angles, angles), dim=-1)
+            angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
             self.cos_cached, self.sin_cached = angles.cos().to(dtype), angles.sin().to(dtype)
         return self.cos_cached[:seq_len], self.sin_cached[:seq_len]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k, shaped [batch, heads, seq, head_dim], by their positions 0..seq-1."""
-        cos, sin = self._tables(q.shape[-2], q.device, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """Rotate q and k, shaped [batch, seq, heads, head_dim], by their positions 0..seq-1."""
+        cos, sin = self.tables(q.shape[1], q.device, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def fused_qkv(self, qkv: torch.Tensor, q_heads: int,
+                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q and k, and v, from a fused projection's output [batch, seq, (q_heads + 2 kv_heads) * head_dim].
+
+        Returns [batch, seq, heads, head_dim] tensors: q and k views of one new buffer, v a view of ``qkv``.
+        """
+        cos, sin = self.tables(qkv.shape[1], qkv.device, qkv.dtype)
+        if torch.compiler.is_compiling():  # inductor fuses the plain ops; dynamo cannot trace `out=` views
+            batch, seq, width = qkv.shape
+            heads = qkv.view(batch, seq, width // self.head_dim, self.head_dim)
+            q, k, v = heads.split([q_heads, kv_heads, kv_heads], dim=2)
+            return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return _RotateFusedQKV.apply(qkv, cos, sin, q_heads, kv_heads)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [batch, seq, heads, head_dim] (autograd's own backward)."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rotate(x, cos, sin)``, the same roundings, in one new buffer with fewer passes over memory."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    rotated_sin = torch.empty_like(out)
+    torch.mul(x[..., half:], sin[..., :half], out=rotated_sin[..., :half]).neg_()  # -(a*b) == (-a)*b exactly
+    torch.mul(x[..., :half], sin[..., half:], out=rotated_sin[..., half:])
+    return out.add_(rotated_sin)
+
+
+def _unrotate_into(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """The gradient of ``rotate`` (grad * cos + rotate_half^T(grad * sin)), written into ``out``."""
+    half = grad.shape[-1] // 2
+    torch.mul(grad, cos, out=out)
+    grad_sin = grad * sin
+    out[..., :half] += grad_sin[..., half:]
+    out[..., half:] -= grad_sin[..., :half]
+
+
+class _RotateFusedQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int):
+        batch, seq, width = qkv.shape
+        head_dim = cos.shape[-1]
+        heads = qkv.view(batch, seq, width // head_dim, head_dim)
+        rotated = _rotate_into(heads[:, :, :q_heads + kv_heads], cos, sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.q_heads = q_heads
+        ctx.kv_heads = kv_heads
+        return rotated[:, :, :q_heads], rotated[:, :, q_heads:], heads[:, :, q_heads + kv_heads:]
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        q_heads, kv_heads = ctx.q_heads, ctx.kv_heads
+        batch, seq, _, head_dim = grad_v.shape
+        grad = grad_v.new_empty(batch, seq, q_heads + 2 * kv_heads, head_dim)
+        _unrotate_into(grad_q, cos, sin, grad[:, :, :q_heads])
+        _unrotate_into(grad_k, cos, sin, grad[:, :, q_heads:q_heads + kv_heads])
+        grad[:, :, q_heads + kv_heads:] = grad_v
+        return grad.view(batch, seq, -1), None, None, None, None

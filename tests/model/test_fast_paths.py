@@ -1,0 +1,89 @@
+"""The fast paths compute exactly what the textbook expressions compute.
+
+Fused-QKV rotary (one rotation over q|k, one gradient buffer) against the plain rotation of q and k
+by autograd; RMSNorm through ``F.rms_norm`` against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)).
+"""
+
+import pytest
+import torch
+
+from lnstrain.model.norms import RMSNorm
+from lnstrain.model.rotary import RotaryEmbedding, rotate
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_fused_qkv_rotary_is_bitwise_the_plain_rotation(q_heads, kv_heads):
+    batch, seq, head_dim = 2, 16, 8
+    rotary = RotaryEmbedding(head_dim, theta=500.0)
+    qkv = torch.randn(batch, seq, (q_heads + 2 * kv_heads) * head_dim, requires_grad=True)
+    grads = [torch.randn(batch, seq, heads, head_dim) for heads in (q_heads, kv_heads, kv_heads)]
+
+    fused = rotary.fused_qkv(qkv, q_heads, kv_heads)
+    torch.autograd.backward(fused, grads)
+    fused_grad, qkv.grad = qkv.grad, None
+
+    cos, sin = rotary.tables(seq, qkv.device, qkv.dtype)
+    assert cos.shape == (seq, 1, head_dim)
+    q, k, v = qkv.view(batch, seq, -1, head_dim).split([q_heads, kv_heads, kv_heads], dim=2)
+    plain = rotate(q, cos, sin), rotate(k, cos, sin), v
+    torch.autograd.backward(plain, grads)
+
+    for ours, reference in zip(fused, plain):
+        assert torch.equal(ours, reference)
+    assert torch.equal(fused_grad, qkv.grad)
+    assert fused[2].data_ptr() == qkv.data_ptr() + (q_heads + kv_heads) * head_dim * qkv.element_size()
+
+
+def test_rotation_is_rotate_half():
+    """Position p rotates the pair (i, i + d/2) by the angle p * theta^(-2i/d)."""
+    head_dim, theta = 4, 100.0
+    rotary = RotaryEmbedding(head_dim, theta)
+    x = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(1, 3, 1, head_dim)
+    q, _ = rotary(x, x)
+    angles = torch.arange(3.0)
+    torch.testing.assert_close(q[0, :, 0, 0], angles.cos())
+    torch.testing.assert_close(q[0, :, 0, 2], angles.sin())
+
+
+def test_fused_and_separate_projections_give_the_same_attention(tiny_cfg, single):
+    from lnstrain.model.attention import Attention
+    from lnstrain.model.init import init_weights
+
+    fused_cfg, separate_cfg = tiny_cfg(num_heads=4, num_kv_heads=2), tiny_cfg(num_heads=4, num_kv_heads=2,
+                                                                                fused_qkv=False)
+    fused, separate = Attention(fused_cfg, single), Attention(separate_cfg, single)
+    init_weights(fused, fused_cfg)
+    with torch.no_grad():
+        q, k, v = fused.qkv_proj.weight.split(fused.qkv_proj.local_sizes)
+        separate.q_proj.weight.copy_(q)
+        separate.k_proj.weight.copy_(k)
+        separate.v_proj.weight.copy_(v)
+        separate.o_proj.weight.copy_(fused.o_proj.weight)
+    x = torch.randn(2, 16, fused_cfg.hidden_size, requires_grad=True)
+    fused(x).square().sum().backward()
+    fused_grad, x.grad = x.grad, None
+    separate(x).square().sum().backward()
+    torch.testing.assert_close(fused_grad, x.grad, rtol=1e-5, atol=1e-6)
+    separate_weight_grad = torch.cat([separate.q_proj.weight.grad, separate.k_proj.weight.grad,
+                                      separate.v_proj.weight.grad])
+    torch.testing.assert_close(fused.qkv_proj.weight.grad, separate_weight_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3 ** -0.5])
+def test_rms_norm_is_the_textbook_expression_with_the_factor_in_the_gain(scale):
+    hidden, eps = 48, 1e-5
+    norm = RMSNorm(hidden, eps, output_scale=scale)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden))
+    x = torch.randn(4, 16, hidden, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    norm(x).backward(grad)
+    ours = x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    y = norm(x)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (norm.weight * scale)
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-6)
+    expected.backward(grad)
+    torch.testing.assert_close(ours[0], x.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours[1], norm.weight.grad, rtol=1e-6, atol=1e-5)
