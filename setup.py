@@ -15,7 +15,8 @@ EXTRAS = {
     "plots": ["matplotlib>=3.7"],
     # Hugging Face export/import (safetensors shards) and the transformers baseline benchmark.
     "hf": ["safetensors>=0.4", "transformers>=4.40"],
-    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7"],
+    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM.
+    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
