@@ -12,6 +12,15 @@ from typing import Any
 from lnstrain.config.loader import deep_merge
 from lnstrain.config.run_config import Config
 
+# bf16 gradient accumulation in DeepSpeed 0.19 (measured: 1-rank engines, tests/training/test_engine_precision.py):
+#   ZeRO 1/2/3: "data_types.grad_accum_dtype: fp32" selects fp32 accumulation (BF16_Optimizer at stage 1,
+#     the ZeRO optimizers at 2 and 3).
+#   ZeRO 0: that key is refused ("unsupported mix of model_dtype=bf16 and grad_accum_dtype=fp32"), so the
+#     JSON leaves it out. Pipelines then get BF16_Optimizer, which adds each micro-batch's bf16 gradient
+#     into fp32 buffers (fp32 accumulation all the same); without a pipeline DeepSpeed wraps the optimizer
+#     with fp32 master weights but accumulates in the bf16 .grad, which is exact only for one micro-batch
+#     per step: ``bf16_accumulation_problem`` names that case so the engine refuses it before starting.
+
 # DeepSpeed prints its own progress every N steps; lnstrain logs itself, so this is effectively never.
 _QUIET_STEPS = 2**31 - 1
 
@@ -37,8 +46,26 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
     }
-    if precision.dtype == "bf16" and precision.fp32_grad_accum:
+    if precision.dtype == "bf16" and precision.fp32_grad_accum and config.parallel.zero_stage > 0:
         derived["data_types"] = {"grad_accum_dtype": "fp32"}
     if config.parallel.pipeline > 1:
         derived["pipeline"] = {"activation_checkpoint_interval": 0}
     return deep_merge(derived, config.deepspeed)
+
+
+def bf16_accumulation_problem(config: Config, world_size: int) -> str:
+    """Why DeepSpeed cannot give this config the fp32 gradient accumulation it asks for; empty when it can."""
+    precision, parallel = config.precision, config.parallel
+    if not (precision.dtype == "bf16" and precision.fp32_grad_accum and parallel.zero_stage == 0
+            and parallel.pipeline == 1):
+        return ""
+    if parallel.tensor < 1 or config.data_parallel_size(world_size) < 1 or config.train.micro_batch_size < 1:
+        return ""  # a layout problem reported on its own
+    steps = config.grad_accumulation_steps(world_size)
+    if steps <= 1:
+        return ""
+    return (f"precision.dtype bf16 with precision.fp32_grad_accum and parallel.zero_stage 0 accumulates {steps} "
+            "micro-batches per step, but DeepSpeed accumulates bf16 gradients in fp32 only under ZeRO (or a "
+            "pipeline). Set parallel.zero_stage: 1 (the same update, optimizer state split over data-parallel "
+            "ranks), or precision.fp32_grad_accum: false to accumulate in bf16, or one micro-batch per step "
+            "(train.micro_batch_size = train.global_batch_size / data-parallel size).")

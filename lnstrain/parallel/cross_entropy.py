@@ -29,8 +29,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         vocab_start = groups.tp_rank * local_vocab
         logits = logits.float()
-        padded_columns = vocab_start + torch.arange(local_vocab, device=logits.device) >= vocab_size
-        if padded_columns.any():
+        real_columns = vocab_size - vocab_start  # decided from ints: no host-device sync
+        if real_columns < local_vocab:
+            padded_columns = torch.arange(local_vocab, device=logits.device) >= real_columns
             logits = logits.masked_fill(padded_columns, float("-inf"))
 
         logits_max = _all_reduce(logits.max(dim=-1).values, groups, dist.ReduceOp.MAX)

@@ -13,6 +13,7 @@ Loss: the token-weighted mean over the global batch (``lnstrain.training.batches
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config
 from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import Config
 from lnstrain.model.block import TransformerBlock
@@ -53,6 +54,8 @@ def layout_problems(config: Config, world_size: int) -> list[str]:
     for section in (config.parallel, config.optim, config.train, config.precision):
         problems += section.validate()
     problems += config._cross_section_problems(world_size)
+    if bf16_accumulation_problem(config, world_size):
+        problems.append(bf16_accumulation_problem(config, world_size))
     if _overcounted_kv_rows(config) and not _clips_itself(config):
         problems.append(_overcounted_kv_rows(config) + " Set model.fused_qkv: false (separate projections "
                         "are counted exactly) or optim.grad_clip: 0")
@@ -115,6 +118,17 @@ def _deepspeed_json(config: Config, world_size: int, own_clipping: bool) -> dict
     return ds_config
 
 
+def training_device() -> torch.device:
+    """Where DeepSpeed will put this rank's model: the accelerator's device for ``LOCAL_RANK`` (its own
+    rule), the current device without it; ``cpu`` on DeepSpeed's CPU accelerator."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    local_rank = os.environ.get("LOCAL_RANK")
+    name = accelerator.device_name(int(local_rank)) if local_rank else accelerator.current_device_name()
+    return torch.device(name)
+
+
 def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "TrainingEngine":
     """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``."""
     import deepspeed
@@ -128,7 +142,7 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
 
     if _overcounted_kv_rows(config):  # refused elsewhere; kept on this path for existing runs
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", _overcounted_kv_rows(config))
-    module = _build_module(config, groups)
+    module = _build_module(config, groups).to(training_device())  # before the optimizer picks its kernel
     if config.train.compile:
         for block in module.modules():
             if isinstance(block, TransformerBlock):
@@ -232,12 +246,12 @@ class TrainingEngine:
         """Pipeline size 1: forward and backward of every micro-batch, then the optimizer step.
         Returns the global batch's token-weighted mean loss."""
         weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, after the step
         for index, micro in enumerate(weighted):
             logits = self.engine(micro.inputs)
             loss = weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
             self.engine.backward(loss)
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach()
             if index == len(weighted) - 1 and self._before_optimizer_step is not None:
                 self._before_optimizer_step()
             self.engine.step()
@@ -269,11 +283,10 @@ class TrainingEngine:
                                               num_micro_batches=len(micro_batches))
                 return float(loss.item())
             weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
             for micro in weighted:
                 logits = self.engine(micro.inputs)
-                total += weighted_token_loss(logits, micro.labels, micro.weights, self.config.model,
-                                             self.groups).double().cpu()
+                total += weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
             return self._global_mean(total / len(weighted))
         finally:
             self.engine.train()

@@ -19,22 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-
-def mark_tensor_parallel_parameters(module: nn.Module, tp_size: int) -> int:
-    """Set ``tensor_model_parallel`` (DeepSpeed's marker) on every tensor-sharded weight; returns the count.
-
-    DeepSpeed's norms skip unmarked parameters on tensor ranks > 0, so a sharded weight must carry it.
-    """
-    from lnstrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
-    marked = 0
-    for child in module.modules():
-        if isinstance(child, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            child.weight.tensor_model_parallel = tp_size > 1
-            marked += tp_size > 1
-    return marked
 
 
 def counts_on_this_rank(param: torch.Tensor, tp_rank: int) -> bool:

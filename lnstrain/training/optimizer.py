@@ -13,6 +13,7 @@ DeepSpeed never JIT-builds its own fused Adam on machines without CUDA.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -41,6 +42,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
+def adam_kernel(devices: Iterable[torch.device]) -> dict[str, bool]:
+    """torch Adam's implementation for parameters on ``devices``: ``{"fused": True}`` (one kernel for
+    the whole update) when all are CUDA devices, else ``{"foreach": True}`` (the CPU path).
+
+    The parameters must already be where they will train: ``build_engine`` moves the model to the
+    accelerator before building the optimizer for this reason.
+    """
+    types = {torch.device(device).type for device in devices}
+    return {"fused": True} if types == {"cuda"} else {"foreach": True}
+
+
 def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Optimizer:
     """Adam or AdamW over ``model``'s trainable parameters, at the config's peak learning rate.
 
@@ -49,8 +61,7 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Opt
     groups = param_groups(model, optim_cfg.weight_decay)
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
-    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-    kernel = {"fused": True} if on_cuda else {"foreach": True}
+    kernel = adam_kernel(p.device for group in groups for p in group["params"])
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(optim_cfg.name)
     if optimizer_class is None:
         raise ValueError(f"optim.name must be 'adam' or 'adamw' (got {optim_cfg.name!r})")

@@ -1,0 +1,136 @@
+"""Precision × ZeRO stage: the DeepSpeed JSON we derive is one DeepSpeed accepts, and the optimizer
+kernel is chosen where the parameters will live.
+
+One spawned rank builds real engines for bf16 × ZeRO 0/1/2 on a tiny model and trains a few steps
+against an fp32 reference. fp16 is not covered: DeepSpeed's CPU accelerator refuses it ("Type fp16
+is not supported on your device").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config
+from lnstrain.testing.distributed import run_distributed
+from lnstrain.training.engine import layout_problems
+from lnstrain.training.optimizer import adam_kernel
+from tests.parallel.layouts import GLOBAL_BATCH, Layout, global_batch, make_config, rank_micro_batches
+
+STEPS = 3
+
+
+def _config(dtype: str = "bf16", zero_stage: int = 0, micro_batch: int | None = None, fp32_grad_accum: bool = True,
+            pipeline: int = 1):
+    config = make_config(Layout("precision", zero_stage=zero_stage, dtype=dtype, pipeline=pipeline), steps=STEPS)
+    train = config.train if micro_batch is None else dataclasses.replace(config.train, micro_batch_size=micro_batch)
+    return dataclasses.replace(config, train=train,
+                               precision=dataclasses.replace(config.precision, fp32_grad_accum=fp32_grad_accum))
+
+
+@pytest.mark.parametrize("zero_stage,accumulates_in_fp32_key", [(0, False), (1, True), (2, True), (3, True)])
+def test_bf16_json_asks_for_fp32_accumulation_only_where_deepspeed_has_it(zero_stage, accumulates_in_fp32_key):
+    ds = deepspeed_config(_config(zero_stage=zero_stage), world_size=1)
+    assert ds["bf16"] == {"enabled": True}
+    assert ("data_types" in ds) == accumulates_in_fp32_key
+
+
+def test_bf16_zero0_with_accumulated_micro_batches_is_refused_naming_the_keys():
+    config = _config(zero_stage=0)  # 8 samples in micro-batches of 2: 4 accumulated per step
+    (problem,) = [p for p in layout_problems(config, 1) if "fp32_grad_accum" in p]
+    assert "accumulates 4 micro-batches" in problem
+    for key in ("parallel.zero_stage: 1", "precision.fp32_grad_accum: false", "train.micro_batch_size"):
+        assert key in problem
+    assert bf16_accumulation_problem(_config(zero_stage=0, micro_batch=GLOBAL_BATCH), 1) == ""
+    assert bf16_accumulation_problem(_config(zero_stage=0, fp32_grad_accum=False), 1) == ""
+    assert bf16_accumulation_problem(_config(zero_stage=1), 1) == ""
+    assert bf16_accumulation_problem(_config(zero_stage=0, pipeline=2), 2) == ""  # BF16_Optimizer: fp32 buffers
+
+
+def test_adam_kernel_is_fused_only_when_every_parameter_is_on_cuda():
+    cuda = torch.device("cuda", 0)  # a device object only: no GPU needed to decide
+    assert adam_kernel([cuda, torch.device("cuda", 0)]) == {"fused": True}
+    assert adam_kernel(["cuda:1"]) == {"fused": True}
+    assert adam_kernel([cuda, torch.device("cpu")]) == {"foreach": True}
+    assert adam_kernel([torch.device("cpu")]) == {"foreach": True}
+    assert adam_kernel([torch.device("meta")]) == {"foreach": True}
+
+
+class _OptimizerBuilt(Exception):
+    pass
+
+
+def _devices_seen_by_build_optimizer(world_size: int) -> set[str]:
+    """build_engine with the accelerator faked to the meta device: where are the parameters when
+    the optimizer is built?"""
+    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.training import engine as engine_module
+
+    seen: set[str] = set()
+
+    def spy(module: torch.nn.Module, optim_cfg) -> None:
+        seen.update(p.device.type for p in module.parameters())
+        raise _OptimizerBuilt
+
+    real_device, real_build = engine_module.training_device, engine_module.build_optimizer
+    engine_module.training_device, engine_module.build_optimizer = (lambda: torch.device("meta")), spy
+    try:
+        engine_module.build_engine(_config(dtype="fp32"), ParallelGroups.build(1, 1, False), world_size)
+    except _OptimizerBuilt:
+        pass
+    finally:
+        engine_module.training_device, engine_module.build_optimizer = real_device, real_build
+    return seen
+
+
+def _train(config, batches_for_step) -> dict:
+    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.training.engine import build_engine
+
+    engine = build_engine(config, ParallelGroups.build(1, 1, False), 1)
+    losses = [engine.train_step(batches_for_step(step)).loss for step in range(STEPS)]
+    return {"optimizer": type(engine.engine.optimizer).__name__, "losses": losses,
+            "data_types": [str(t) for t in engine.engine.get_data_types()],
+            "weights": str(next(engine.module.parameters()).dtype)}
+
+
+def _precision_worker(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    results = {"optimizer_devices": _devices_seen_by_build_optimizer(world_size)}
+
+    def micro_batches(step):
+        return rank_micro_batches(step, 0, 1)
+
+    def one_batch(step):
+        tokens, loss_mask = global_batch(step)
+        return [{"tokens": tokens, "loss_mask": loss_mask}]
+
+    runs = {"fp32": (_config(dtype="fp32"), micro_batches),
+            "bf16_zero0": (_config(zero_stage=0, micro_batch=GLOBAL_BATCH), one_batch),
+            "bf16_zero0_bf16_accum": (_config(zero_stage=0, fp32_grad_accum=False), micro_batches),
+            "bf16_zero1": (_config(zero_stage=1), micro_batches),
+            "bf16_zero2": (_config(zero_stage=2), micro_batches)}
+    for name, (config, batches) in runs.items():
+        results[name] = _train(config, batches)
+    return results
+
+
+@pytest.mark.multirank
+def test_bf16_engines_build_and_train_under_zero_0_1_2():
+    (results,) = run_distributed(_precision_worker, 1, timeout_s=600)
+    assert results["optimizer_devices"] == {"meta"}  # moved to the training device before the optimizer
+
+    reference = results["fp32"]["losses"]
+    expected_optimizers = {"bf16_zero0": "FP16_UnfusedOptimizer", "bf16_zero0_bf16_accum": "FP16_UnfusedOptimizer",
+                           "bf16_zero1": "BF16_Optimizer", "bf16_zero2": "DeepSpeedZeroOptimizer"}
+    for name, optimizer in expected_optimizers.items():
+        run = results[name]
+        assert run["optimizer"] == optimizer, name
+        assert run["weights"] == "torch.bfloat16", name
+        # bf16 weights and activations: a different numeric path, so close to fp32, not equal
+        assert run["losses"] == pytest.approx(reference, abs=3e-2), name
+    assert results["bf16_zero1"]["data_types"] == ["torch.bfloat16", "torch.float32"]
+    assert results["bf16_zero2"]["data_types"] == ["torch.bfloat16", "torch.float32"]
+    assert results["bf16_zero0"]["data_types"] == ["torch.bfloat16", "torch.bfloat16"]
