@@ -14,6 +14,7 @@ reported together with exit code 2. SIGTERM or SIGUSR1 make every rank save and 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
@@ -76,8 +77,9 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def init_distributed() -> None:
-    """Start the default process group; a plain ``python`` launch becomes a one-rank world."""
+def init_distributed(timeout_minutes: float) -> None:
+    """Start the default process group; a plain ``python`` launch becomes a one-rank world. A
+    collective that waits longer than ``timeout_minutes`` raises (``train.collective_timeout_minutes``)."""
     if "RANK" not in os.environ:
         from lnstrain.testing.distributed import distributed_env, free_port
 
@@ -86,7 +88,8 @@ def init_distributed() -> None:
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
     configure_process(rank, int(local_ranks))
-    init_distributed()
+    init_distributed(config.train.collective_timeout_minutes)
     from lnstrain.training.trainer import pretrain
 
     result = pretrain(config, world_size)

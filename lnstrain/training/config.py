@@ -113,6 +113,9 @@ class TrainConfig:
         spike_window: steps of finite losses a loss spike is measured against; 0 disables detection.
         spike_zscore: a loss more than this many standard deviations above the window's mean is
             logged (and counted) as a spike.
+        collective_timeout_minutes: a collective that waits this long (a peer hung, or its machine
+            vanished without closing its connections) raises, so the job exits instead of hanging; a
+            peer process that dies is noticed at once (gloo and NCCL see its connections close).
         skip_sample_ranges: ``[start, end)`` ranges of consumed samples never trained on, e.g.
             ``[[4096, 8192]]`` to skip known-bad data (the data position jumps over them).
     """
@@ -132,6 +135,7 @@ class TrainConfig:
     spike_window: int = 100
     spike_zscore: float = 6.0
     skip_sample_ranges: list[list[int]] = field(default_factory=list)
+    collective_timeout_minutes: float = 10.0
 
     def validate(self) -> list[str]:
         problems = []
@@ -158,6 +162,8 @@ class TrainConfig:
             problems.append(f"train.spike_window must be 0 (off) or >= 2 (got {self.spike_window})")
         if self.spike_zscore <= 0:
             problems.append(f"train.spike_zscore must be > 0 (got {self.spike_zscore})")
+        if self.collective_timeout_minutes <= 0:
+            problems.append(f"train.collective_timeout_minutes must be > 0 (got {self.collective_timeout_minutes})")
         for entry in self.skip_sample_ranges:
             if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
                 problems.append(f"train.skip_sample_ranges: {entry} is not a [start, end) range with "

@@ -6,7 +6,7 @@ after each file DeepSpeed writes). In process, an observer copies the checkpoint
 point, which is exactly what a SIGKILL there would leave on disk (written bytes are in the page
 cache; nothing is lost but the process), plus a copy with the file being written cut in half (a
 kill in the middle of a write). Every copy must have a loadable ``latest``; a sample of them is
-resumed to the end. Then a few points with a real SIGKILL of ``launch/pretrain.py`` (the hook's
+resumed to the end. Then a point with a real SIGKILL of ``launch/pretrain.py`` (the hook's
 environment variable), each rerun with the same command.
 """
 
@@ -122,14 +122,15 @@ def test_kill_at_every_moment_of_a_save_leaves_a_resumable_checkpoint(tiny_corpu
         assert abs(eval_losses[4] - straight.eval_losses[4]) <= TOLERANCE, (name, label)
     assert starts == {0, 2, 4}, starts  # kills before, during and after each save were resumed
 
-    # A real SIGKILL at a few moments of the second save, then the same command again.
+    # A real SIGKILL in the second save, then the same command again.
     def launch(run_dir: Path, kill_at: int | None) -> subprocess.CompletedProcess:
         env = launcher_env() | ({KILL_AT_ENV: str(kill_at)} if kill_at else {})
         command = launcher_command(tiny_run_overrides(tiny_corpus, run_dir) + RUN)
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
 
-    for offset in (labels.index("deepspeed file: written", first_save) - first_save,
-                   labels.index("every rank finished writing", first_save) - first_save + 4):
+    # (one moment here, between the completion marker and ``latest``; tests/training/test_crash_recovery.py
+    # kills a rank of a 2-rank run in the middle of DeepSpeed's files)
+    for offset in (labels.index("every rank finished writing", first_save) - first_save + 4,):
         run_dir = tmp_path / f"killed_{offset}"
         killed = launch(run_dir, first_save + offset + 1)
         assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
