@@ -1,0 +1,63 @@
+"""launch/slurm/preemptible.py in a faked SLURM batch job: the scheduler's USR1 to the batch shell
+(``#SBATCH --signal=B:USR1@N``) reaches the rank, not the launcher, and the job exits 0.
+
+The fake launcher behaves as DeepSpeed's does: it does not handle SIGUSR1 (its default action would
+kill it and orphan the rank) and exits 1 when a rank fails. The fake rank saves-and-exits-0 on
+SIGUSR1, like the trainer. (The real launcher and trainer: tests/training/test_crash_recovery.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAKE_RANK = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+print("rank ready", flush=True)
+while not stop:
+    time.sleep(0.05)
+print("rank saved and stopped", flush=True)
+"""
+
+FAKE_LAUNCHER = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", {rank!r}])
+while rank.poll() is None:
+    time.sleep(0.05)
+print(f"launcher: rank exited {{rank.returncode}}", flush=True)
+sys.exit(0 if rank.returncode == 0 else 1)
+"""
+
+BATCH = """#!/bin/bash
+#SBATCH --signal=B:USR1@180
+set -euo pipefail
+exec {python} {wrapper} -- {python} {launcher}
+"""
+
+
+def test_usr1_to_the_batch_shell_stops_the_rank_and_the_job_exits_zero(tmp_path):
+    launcher = tmp_path / "fake_launcher.py"
+    launcher.write_text(FAKE_LAUNCHER.format(rank=FAKE_RANK))
+    batch = tmp_path / "job.sbatch"
+    batch.write_text(BATCH.format(python=sys.executable, wrapper=REPO / "launch" / "slurm" / "preemptible.py",
+                                  launcher=launcher))
+    job = subprocess.Popen(["bash", str(batch)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert job.stdout.readline().strip() == "rank ready"
+        time.sleep(0.2)
+        os.kill(job.pid, signal.SIGUSR1)  # what SLURM does with B:USR1 (the shell exec'd the wrapper)
+        output = job.communicate(timeout=30)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output
+    assert "rank saved and stopped" in output and "launcher: rank exited 0" in output, output
+    assert "got SIGUSR1; asking every rank to save and stop" in output, output
