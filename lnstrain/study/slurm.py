@@ -5,8 +5,12 @@ The batch script builds the hostfile from ``$SLURM_JOB_NODELIST`` at run time (w
 from the job id (so two jobs sharing a node do not collide), then starts the ranks in one of three
 ways (``SlurmOptions.mode``): one DeepSpeed launcher per node (``srun`` + ``--no_ssh``), one srun task
 per rank (RANK/LOCAL_RANK/WORLD_SIZE from SLURM), or one DeepSpeed launcher that reaches the other
-nodes over ssh. ``--signal=TERM@N`` asks SLURM for SIGTERM before the time limit, so the trainer
-saves a checkpoint and the next submission resumes.
+nodes over ssh. SLURM is asked for a warning signal before the time limit, so every rank saves a
+checkpoint and exits 0, and the next submission resumes. With one srun task per rank the ranks get
+SIGTERM directly. A DeepSpeed launcher would kill its ranks 30 s after a SIGTERM (too short for a large
+checkpoint), so in ``per_node`` mode it runs under ``launch/slurm/preemptible.py`` and SLURM sends
+SIGUSR1, which the launcher ignores and the ranks (or the wrapper, which relays it) turn into a save.
+In ``ssh`` mode the signal cannot reach the remote ranks; prefer ``per_node`` for preemptible jobs.
 """
 
 from __future__ import annotations
@@ -69,8 +73,13 @@ def _launch_lines(mode: str, config_path: str, nodes: int, gpus_per_node: int) -
         return [f"{deepspeed} --launcher pdsh launch/pretrain.py --config {shlex.quote(config_path)}"]
     # per_node: deepspeed's own python is the one on PATH; the trainer sees LOCAL_RANK etc. from it
     return [f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '"
-            f"exec {deepspeed} --no_ssh --node_rank \"$SLURM_NODEID\" launch/pretrain.py "
-            f"--config {shlex.quote(config_path)}'"]
+            f"exec \"$PYTHON\" launch/slurm/preemptible.py -- {deepspeed} --no_ssh --node_rank \"$SLURM_NODEID\" "
+            f"launch/pretrain.py --config {shlex.quote(config_path)}'"]
+
+
+def _warning_signal(mode: str) -> str:
+    """The signal SLURM sends before the time limit: what makes every rank of this mode save."""
+    return "TERM" if mode == "per_rank" else "USR1"
 
 
 def render_sbatch(job_name: str, run_dir: Path, config_path: str, gpus: int, cluster: ClusterProfile,
@@ -84,7 +93,7 @@ def render_sbatch(job_name: str, run_dir: Path, config_path: str, gpus: int, clu
                   f"--gpus-per-node={gpus_per_node}",
                   f"--cpus-per-task={max(1, options.cpus_per_task // tasks_per_node)}",
                   f"--time={options.time}", f"--output={run_dir}/slurm-%j.out",
-                  f"--signal=TERM@{options.signal_seconds}"]
+                  f"--signal={_warning_signal(options.mode)}@{options.signal_seconds}"]
     directives += [f"--partition={options.partition}"] * bool(options.partition)
     directives += [f"--account={options.account}"] * bool(options.account)
     directives += options.directives

@@ -95,7 +95,7 @@ FAKE_DEEPSPEED = """#!/bin/bash
 echo "deepspeed $*" >> "$FAKE_LOG"
 """
 FAKE_PYTHON = """#!/bin/bash
-if [[ "$1" == launch/slurm/hostfile.py ]]; then exec {real} "$@"; fi
+if [[ "$1" == launch/slurm/hostfile.py || "$1" == launch/slurm/preemptible.py ]]; then exec {real} "$@"; fi
 echo "python $* RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER=$MASTER_ADDR:$MASTER_PORT" >> "$FAKE_LOG"
 """
 
@@ -124,8 +124,9 @@ def run_fake_slurm(tmp_path: Path, mode: str) -> tuple[str, str]:
 def test_sbatch_per_node_starts_one_deepspeed_launcher_per_node(tmp_path):
     script, log = run_fake_slurm(tmp_path, "per_node")
     for directive in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
-                      "#SBATCH --partition=gpu", "#SBATCH --signal=TERM@180", "export NCCL_DEBUG=WARN"):
+                      "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@180", "export NCCL_DEBUG=WARN"):
         assert directive in script
+    assert "launch/slurm/preemptible.py -- deepspeed" in script  # the launcher must not kill saving ranks
     lines = log.splitlines()
     assert len(lines) == 2
     for node, line in enumerate(lines):
@@ -137,7 +138,7 @@ def test_sbatch_per_node_starts_one_deepspeed_launcher_per_node(tmp_path):
 
 def test_sbatch_per_rank_gives_every_rank_its_environment(tmp_path):
     script, log = run_fake_slurm(tmp_path, "per_rank")
-    assert "#SBATCH --ntasks-per-node=4" in script
+    assert "#SBATCH --ntasks-per-node=4" in script and "#SBATCH --signal=TERM@180" in script
     lines = log.splitlines()
     assert len(lines) == 8
     for rank, line in enumerate(lines):
