@@ -8,7 +8,7 @@ Every `interval` steps the trainer arms the collector before the step and collec
     armed = depth_stats.wants(step)
     if armed:
         depth_stats.arm()
-    train_one_step(...)                      # any number of micro-batches, forward and backward
+    engine.train_step(batch, before_optimizer_step=depth_stats.read_parameter_grads if armed else None)
     if armed:
         stats = depth_stats.collect(step)    # collective: every rank calls it
         if rank == 0:
@@ -16,7 +16,10 @@ Every `interval` steps the trainer arms the collector before the step and collec
 
 Per global layer number l (tags `depth/<stat>/layer_07`):
 - residual_variance: variance of all elements of layer l's output (the residual stream);
-- grad_norm: norm of the step loss's gradient with respect to layer l's output activations
+- grad_norm: norm of the gradient of layer l's parameters, read by `read_parameter_grads` (the
+  engine's `before_optimizer_step` callback: reduced, before clipping; not logged on steps where
+  it was not called);
+- output_grad_norm: norm of the step loss's gradient with respect to layer l's output activations
   (all tokens of the step; the loss is the mean over data-parallel ranks and micro-batches,
   as DeepSpeed defines it; divide out an fp16 loss scale with `collect(step, loss_scale=...)`);
 - attention_to_residual, mlp_to_residual: ||sublayer contribution|| / ||residual it is added
@@ -24,10 +27,13 @@ Per global layer number l (tags `depth/<stat>/layer_07`):
   Post-LN blocks, which are not additive, the change across the sublayer and its norm).
 
 Hooks exist only on armed steps, so other steps cost nothing. Sums stay on the device until
-`collect`, which all-reduces one [num_layers, 8] float64 tensor over the whole world: layers a
+`collect`, which all-reduces one [num_layers, 9] float64 tensor over the whole world: layers a
 pipeline stage lacks are zeros there, data-parallel ranks add their tokens, and tensor-parallel
 ranks add only what they own (sequence shards under sequence parallelism, else rank 0 only).
-Forward hooks that fire inside backward (activation recomputation) are ignored.
+Forward hooks that fire inside backward (activation recomputation) are ignored. Parameter
+gradients are full (reduced) on every data-parallel rank, so data-parallel rank 0 counts them;
+tensor-parallel shards (`tensor_model_parallel`) count on every tensor rank, replicated parameters
+on tensor rank 0.
 """
 
 from __future__ import annotations
@@ -50,13 +56,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATS = ("residual_variance", "grad_norm", "attention_to_residual", "mlp_to_residual")
+STATS = ("residual_variance", "grad_norm", "output_grad_norm", "attention_to_residual", "mlp_to_residual")
 TAG_PREFIX = "depth"
 PROFILE_PREFIX = "depth_profile"
 
 # Columns of the per-layer sums.
-_ELEMENTS, _SUM, _SQ_OUT, _SQ_IN, _SQ_ATTENTION, _SQ_MID, _SQ_MLP, _SQ_GRAD = range(8)
-_NUM_SUMS = 8
+_ELEMENTS, _SUM, _SQ_OUT, _SQ_IN, _SQ_ATTENTION, _SQ_MID, _SQ_MLP, _SQ_GRAD, _SQ_PARAM_GRAD = range(9)
+_NUM_SUMS = 9
 
 
 def stat_tag(stat: str, layer_number: int, num_layers: int) -> str:
@@ -81,6 +87,17 @@ def _in_backward() -> bool:
 
 def _sum_squares(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().pow(2).sum().double()
+
+
+def _full_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The parameter's complete gradient (this tensor rank's shard). Under ZeRO and DeepSpeed's
+    bf16 optimizer the gradient lives in partitions: `safe_get_full_grad` assembles it with a
+    collective over the data-parallel group, so every data-parallel rank must ask for it."""
+    if param.grad is not None and getattr(param, "_hp_grad", None) is None:
+        return param.grad
+    from deepspeed.utils import safe_get_full_grad
+
+    return safe_get_full_grad(param)
 
 
 class DepthStatsCollector:
@@ -109,6 +126,8 @@ class DepthStatsCollector:
         self._handles: list[Any] = []
         self._armed = False
         self._sums: dict[int, torch.Tensor] = {}
+        self._param_grad_squares: dict[int, torch.Tensor] = {}
+        self._read_parameter_grads = False
         self._inputs: dict[int, torch.Tensor] = {}
         self._middles: dict[int, torch.Tensor] = {}
 
@@ -180,6 +199,23 @@ class DepthStatsCollector:
         if number in self._sums:
             self._sums[number][_SQ_GRAD] += _sum_squares(grad)
 
+    def read_parameter_grads(self) -> None:
+        """Add up each layer's squared parameter gradients: the `before_optimizer_step` callback of
+        `TrainingEngine.train_step` (gradients complete and reduced, not yet clipped). Every rank
+        calls it (ZeRO assembles gradients collectively)."""
+        self._read_parameter_grads = True
+        counts_on_dp = self.groups.dp_rank == 0
+        for block in self.blocks:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for param in block.parameters():
+                if not param.requires_grad:
+                    continue
+                grad = _full_grad(param)
+                counted = getattr(param, "tensor_model_parallel", False) or self.groups.tp_rank == 0
+                if grad is not None and counted and counts_on_dp:
+                    total += _sum_squares(grad)
+            self._param_grad_squares[block.layer_number] = total
+
     def _global_num_layers(self, device: torch.device) -> int:
         if self.num_layers is None:
             local = torch.tensor([max((b.layer_number for b in self.blocks), default=0)], device=device)
@@ -198,7 +234,11 @@ class DepthStatsCollector:
         table = torch.zeros(num_layers, _NUM_SUMS, dtype=torch.float64, device=self.device)
         for number, sums in self._sums.items():
             table[number - 1] = sums
+        for number, squares in self._param_grad_squares.items():
+            table[number - 1, _SQ_PARAM_GRAD] = squares
+        read_parameter_grads, self._read_parameter_grads = self._read_parameter_grads, False
         self._sums.clear()
+        self._param_grad_squares.clear()
         if dist.is_initialized():
             dist.all_reduce(table)
         table = table.cpu()
@@ -206,9 +246,9 @@ class DepthStatsCollector:
         if missing:
             raise RuntimeError(f"depth stats at step {step}: no forward pass seen for layers {missing}; "
                                "arm() must come before the step's forward passes")
-        return self._scalars(table, loss_scale)
+        return self._scalars(table, loss_scale, read_parameter_grads)
 
-    def _scalars(self, table: torch.Tensor, loss_scale: float) -> dict[str, float]:
+    def _scalars(self, table: torch.Tensor, loss_scale: float, read_parameter_grads: bool) -> dict[str, float]:
         num_layers = table.shape[0]
         dp = self.groups.dp_size
         scalars = {}
@@ -217,11 +257,14 @@ class DepthStatsCollector:
             mean = row[_SUM] / row[_ELEMENTS]
             values = {
                 "residual_variance": max(row[_SQ_OUT] / row[_ELEMENTS] - mean * mean, 0.0),
-                "grad_norm": math.sqrt(row[_SQ_GRAD]) / (dp * loss_scale),
+                "grad_norm": math.sqrt(row[_SQ_PARAM_GRAD]) / loss_scale,
+                "output_grad_norm": math.sqrt(row[_SQ_GRAD]) / (dp * loss_scale),
                 "attention_to_residual": math.sqrt(row[_SQ_ATTENTION] / max(row[_SQ_IN], 1e-30)),
                 "mlp_to_residual": math.sqrt(row[_SQ_MLP] / max(row[_SQ_MID], 1e-30)),
             }
             for stat in STATS:
+                if stat == "grad_norm" and not read_parameter_grads:
+                    continue
                 scalars[stat_tag(stat, number, num_layers)] = values[stat]
         return scalars
 

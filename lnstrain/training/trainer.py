@@ -200,7 +200,10 @@ class Trainer:
         if self.guard is not None:
             self.guard.begin_step()
         started = time.perf_counter()
-        step = self.engine.train_step(batch, before_optimizer_step=self.guard.decide if self.guard else None)
+        callbacks = [self.guard.decide] if self.guard else []
+        if depth_stats_now:  # parameter gradients as the optimizer gets them (before clipping)
+            callbacks.insert(0, self.depth_stats.read_parameter_grads)
+        step = self.engine.train_step(batch, before_optimizer_step=lambda: [run() for run in callbacks])
         seconds = time.perf_counter() - started
         nonfinite = (self.guard.end_step() if self.guard else False) or not math.isfinite(step.loss)
         if nonfinite and step.skipped:  # DeepSpeed skipped it (and its schedule step): keep lr = f(step)

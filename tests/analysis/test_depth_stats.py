@@ -26,6 +26,7 @@ def collect_stats(model, windows, groups=None, module=None, micro_batches=1, num
                                     num_layers=num_layers)
     collector.arm()
     train_step(model, windows, micro_batches)
+    collector.read_parameter_grads()
     return collector.collect(step=5)
 
 
@@ -47,7 +48,7 @@ def manual_stats(model, windows) -> dict[str, float]:
     stats = {}
     for number, ((x, mid, out), grad) in enumerate(zip(records, grads), 1):
         stats[stat_tag("residual_variance", number, NUM_LAYERS)] = float(out.var(unbiased=False))
-        stats[stat_tag("grad_norm", number, NUM_LAYERS)] = float(grad.norm())
+        stats[stat_tag("output_grad_norm", number, NUM_LAYERS)] = float(grad.norm())
         stats[stat_tag("attention_to_residual", number, NUM_LAYERS)] = float((mid - x).norm() / x.norm())
         stats[stat_tag("mlp_to_residual", number, NUM_LAYERS)] = float((out - mid).norm() / mid.norm())
     return stats
@@ -62,8 +63,19 @@ def assert_stats_close(actual: dict, expected: dict, rtol: float = 1e-5) -> None
 def test_collector_matches_a_hand_computation():
     windows = token_windows(count=4)
     stats = collect_stats(tiny_model(NUM_LAYERS), windows)
-    assert len(stats) == 4 * NUM_LAYERS and stat_tag("grad_norm", 3, NUM_LAYERS) == "depth/grad_norm/layer_03"
-    assert_stats_close(stats, manual_stats(tiny_model(NUM_LAYERS), windows))
+    assert len(stats) == 5 * NUM_LAYERS and stat_tag("grad_norm", 3, NUM_LAYERS) == "depth/grad_norm/layer_03"
+    expected = manual_stats(tiny_model(NUM_LAYERS), windows)
+    assert_stats_close({tag: v for tag, v in stats.items() if "/grad_norm/" not in tag}, expected)
+
+
+def test_parameter_grad_norm_is_the_norm_of_each_blocks_parameter_gradients():
+    windows = token_windows(count=4)
+    model = tiny_model(NUM_LAYERS)
+    stats = collect_stats(model, windows)  # leaves the step's gradients in p.grad
+    for block in model.layers:
+        by_hand = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in block.parameters()))
+        assert stats[stat_tag("grad_norm", block.layer_number, NUM_LAYERS)] == pytest.approx(by_hand, rel=1e-6)
+    assert stats[stat_tag("grad_norm", 1, NUM_LAYERS)] != pytest.approx(stats[stat_tag("output_grad_norm", 1, NUM_LAYERS)])
 
 
 def test_micro_batches_and_recomputation_do_not_change_the_stats():
@@ -90,7 +102,7 @@ def test_hooks_only_on_armed_steps():
     collector.arm()
     assert collector.armed and any(block._forward_hooks for block in model.layers)
     train_step(model, token_windows(count=2))
-    collector.collect(3)
+    assert stat_tag("grad_norm", 1, NUM_LAYERS) not in collector.collect(3)  # parameter gradients not read
     assert not collector.armed
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     with pytest.raises(RuntimeError, match=r"no forward pass seen for layers \[1, 2, 3, 4\]"):
@@ -125,15 +137,32 @@ def _stats_under_layouts(rank: int, world_size: int) -> dict[str, dict[str, floa
     results["pp2"] = collect_stats(model, windows, groups, module=stage, num_layers=None)
     groups = ParallelGroups.build(tensor=1, pipeline=1)
     assert groups.dp_size == 2
-    results["dp2"] = collect_stats(tiny_model(NUM_LAYERS, groups), windows[groups.dp_rank::2], groups)
+    results["dp2_zero2"] = _stats_under_zero2(tiny_model(NUM_LAYERS, groups), windows[groups.dp_rank::2], groups)
     return results
+
+
+def _stats_under_zero2(model, windows, groups) -> dict[str, float]:
+    """Gradients reduced and partitioned by DeepSpeed's ZeRO-2 engine, read before its step."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), mpu=groups,
+        config={"train_micro_batch_size_per_gpu": len(windows), "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True})
+    collector = DepthStatsCollector(model, groups, interval=5, num_layers=NUM_LAYERS)
+    collector.arm()
+    engine.backward(model.loss(windows[:, :-1], windows[:, 1:]))
+    assert all(p.grad is None for p in model.layers.parameters())  # only ZeRO's partitions hold them
+    collector.read_parameter_grads()
+    return collector.collect(step=5)
 
 
 @pytest.mark.multirank
 def test_stats_are_independent_of_the_parallel_layout():
     reference = collect_stats(tiny_model(NUM_LAYERS), token_windows(count=4))
     per_rank = run_distributed(_stats_under_layouts, 2, timeout_s=240)
-    for layout in ("tp2", "tp2_sp", "pp2", "dp2"):
+    for layout in ("tp2", "tp2_sp", "pp2", "dp2_zero2"):
         assert per_rank[0][layout] == per_rank[1][layout]
         assert_stats_close(per_rank[0][layout], reference)
     assert all(math.isfinite(v) and v > 0 for v in reference.values())
