@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward, column-parallel in (gate and up fused), row-parallel out."""
+"""SwiGLU feed-forward, column-parallel in (gate and up in one weight), row-parallel out."""
 
 from __future__ import annotations
 
@@ -10,9 +10,22 @@ from torch import nn
 
 from lnstrain.model.config import ModelConfig
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, RowParallelLinear
+from lnstrain.parallel.mappings import enter_tp_region
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
+
+
+class GateUpLinear(ColumnParallelLinear):
+    """The gate | up weight (one parameter, sharded like any column-parallel weight), applied as two
+    products on its row blocks, so that silu and the product read contiguous tensors rather than
+    halves of one fused output (about 1% of a CPU training step on the benchmark model; the
+    gradient's halves then need no ``cat`` either). Returns (gate, up)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = enter_tp_region(x, self.groups)
+        gate_weight, up_weight = self.weight.split(self.local_sizes)
+        return F.linear(x, gate_weight), F.linear(x, up_weight)
 
 
 class SwiGLUMLP(nn.Module):
@@ -22,9 +35,9 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         ffn = cfg.ffn_hidden_size
         parts = [OutputPart("gate", ffn, ffn), OutputPart("up", ffn, ffn)]
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, groups)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, parts, groups)
         self.down_proj = RowParallelLinear(ffn, cfg.hidden_size, groups, name="down")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -1,7 +1,8 @@
-"""The fast paths compute exactly what the textbook expressions compute.
+"""The fast paths compute what the textbook expressions compute (bitwise, or within float rounding).
 
 Fused-QKV rotary (one rotation over q|k, one gradient buffer) against the plain rotation of q and k
-by autograd; RMSNorm through ``F.rms_norm`` against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)).
+by autograd; RMSNorm through ``F.rms_norm`` against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)); the
+one-rank cross-entropy (fused log-softmax) against the tensor-parallel form.
 """
 
 import pytest
@@ -87,3 +88,20 @@ def test_rms_norm_is_the_textbook_expression_with_the_factor_in_the_gain(scale):
     expected.backward(grad)
     torch.testing.assert_close(ours[0], x.grad, rtol=0, atol=1e-6)
     torch.testing.assert_close(ours[1], norm.weight.grad, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_size", [48, 45])  # 45: the last 3 columns are padding
+def test_one_rank_cross_entropy_equals_the_tensor_parallel_form(single, vocab_size):
+    from lnstrain.parallel.cross_entropy import _VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+
+    logits = (4 * torch.randn(3, 8, 48)).requires_grad_()
+    labels = torch.randint(0, vocab_size, (3, 8))
+    weights = torch.rand(3, 8)
+    fast = vocab_parallel_cross_entropy(logits, labels, single, vocab_size)
+    (fast * weights).sum().backward()
+    fast_grad, logits.grad = logits.grad, None
+    general = _VocabParallelCrossEntropy.apply(logits, labels, single, vocab_size)
+    (general * weights).sum().backward()
+    torch.testing.assert_close(fast, general, rtol=0, atol=2e-6)
+    torch.testing.assert_close(fast_grad, logits.grad, rtol=0, atol=3e-7)  # probabilities: ulps
+    assert torch.all(fast_grad[..., vocab_size:] == 0)
