@@ -117,17 +117,22 @@ class Config:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run.dir / "checkpoints"
 
     # --- checks -------------------------------------------------------------------------------
-    def validate(self, world_size: int | None = None) -> list[str]:
-        """Every problem with this config, including those that depend on the world size."""
+    def validate(self, world_size: int | None = None, check_files: bool = True) -> list[str]:
+        """Every problem with this config, including those that depend on the world size.
+
+        ``check_files=False`` skips the existence of data and tokenizer files (planning, dry runs).
+        """
         problems: list[str] = []
         problems += self.model.validate(tensor_parallel=max(self.parallel.tensor, 1))
-        for section in (self.data, self.run, self.parallel, self.optim, self.train,
+        problems += self.data.validate(check_files=check_files)
+        for section in (self.run, self.parallel, self.optim, self.train,
                         self.precision, self.checkpoint, self.logging):
             problems += section.validate()
-        problems += self._cross_section_problems(world_size)
+        problems += self.cross_section_problems(world_size)
         return problems
 
-    def _cross_section_problems(self, world_size: int | None) -> list[str]:
+    def cross_section_problems(self, world_size: int | None) -> list[str]:
+        """Problems between sections (layout vs model shape, batch divisibility, sequence lengths)."""
         problems = []
         model, par, train = self.model, self.parallel, self.train
         tp, pp = par.tensor, par.pipeline

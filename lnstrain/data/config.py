@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MODES = ("packed", "truncate_pad")
@@ -53,8 +54,11 @@ class DataConfig:
     split_seed: int = 1234
     cache_wait_timeout_s: float = 7200.0
 
-    def validate(self) -> list[str]:
-        """Return every problem found, each naming the config key and how to fix it (empty when valid)."""
+    def validate(self, check_files: bool = True) -> list[str]:
+        """Return every problem found, each naming the config key and how to fix it (empty when valid).
+
+        ``check_files=False`` leaves out ``file_problems()``, for planning a run before its data exists.
+        """
         problems: list[str] = []
         if self.seq_len <= 0:
             problems.append(f"data.seq_len must be > 0 (got {self.seq_len})")
@@ -66,13 +70,28 @@ class DataConfig:
             problems.append(f"data.cache_wait_timeout_s must be > 0 (got {self.cache_wait_timeout_s})")
         if not self.sources:
             problems.append("data.sources is empty: list at least one {prefix: path/to/data, weight: 1.0}")
-        for key, sources in (("data.sources", self.sources), ("data.valid_sources", self.valid_sources)):
-            for i, src in enumerate(sources):
-                problems.extend(_source_problems(f"{key}[{i}]", src))
+        for key, i, src in self._keyed_sources():
+            problems.extend(_source_problems(f"{key}[{i}]", src))
+        return problems + (self.file_problems() if check_files else [])
+
+    def file_problems(self) -> list[str]:
+        """Token files and tokenizer that do not exist (yet)."""
+        problems = []
+        for key, i, src in self._keyed_sources():
+            if src.prefix and not src.prefix.endswith((".bin", ".idx")):
+                missing = [src.prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(src.prefix + ext)]
+                if missing:
+                    problems.append(f"{key}[{i}].prefix: missing {', '.join(missing)} "
+                                    f"(create them with tools/preprocess_data.py)")
         if self.tokenizer and not os.path.isfile(self.tokenizer):
             problems.append(f"data.tokenizer: file not found: {self.tokenizer} (train one with "
                             "tools/train_tokenizer.py or point to an existing sentencepiece .model)")
         return problems
+
+    def _keyed_sources(self) -> Iterator[tuple[str, int, DataSource]]:
+        for key, sources in (("data.sources", self.sources), ("data.valid_sources", self.valid_sources)):
+            for i, src in enumerate(sources):
+                yield key, i, src
 
 
 def _source_problems(key: str, src: DataSource) -> list[str]:
@@ -83,9 +102,6 @@ def _source_problems(key: str, src: DataSource) -> list[str]:
     if src.prefix.endswith((".bin", ".idx")):
         problems.append(f"{key}.prefix should not end in .bin/.idx (got {src.prefix!r}; "
                         f"use {src.prefix[:-4]!r})")
-    elif not all(os.path.isfile(src.prefix + ext) for ext in (".bin", ".idx")):
-        missing = [src.prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(src.prefix + ext)]
-        problems.append(f"{key}.prefix: missing {', '.join(missing)} (create them with tools/preprocess_data.py)")
     if not (isinstance(src.weight, (int, float)) and math.isfinite(src.weight) and src.weight > 0):
         problems.append(f"{key}.weight must be a finite number > 0 (got {src.weight})")
     return problems

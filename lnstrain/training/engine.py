@@ -53,7 +53,7 @@ def layout_problems(config: Config, world_size: int) -> list[str]:
     problems = config.model.validate(tensor_parallel=max(config.parallel.tensor, 1))
     for section in (config.parallel, config.optim, config.train, config.precision):
         problems += section.validate()
-    problems += config._cross_section_problems(world_size)
+    problems += config.cross_section_problems(world_size)
     if bf16_accumulation_problem(config, world_size):
         problems.append(bf16_accumulation_problem(config, world_size))
     if _overcounted_kv_rows(config) and not _clips_itself(config):

@@ -51,7 +51,7 @@ def test_missing_data_is_a_note_but_config_problems_fail():
 
 
 def test_data_file_wording_still_matches_the_data_config():
-    """validation.py recognises DataConfig's file problems by their wording: pin it."""
+    """Missing files are problems for a launch and notes (not problems) for a dry run."""
     config = load_config(CONFIGS / "130m_lns.yaml", ["data.tokenizer=absent.model"], validate=False)
     problems = config.validate(8)
     assert any(p.startswith("data.sources[0].prefix: missing ") for p in problems)
