@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lnstrain.model.config import ModelConfig
+from lnstrain.model.kernels import swiglu
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, RowParallelLinear
 from lnstrain.parallel.mappings import enter_tp_region
 
@@ -29,7 +30,7 @@ class GateUpLinear(ColumnParallelLinear):
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), silu(gate) recomputed in backward (``kernels.swiglu``)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
@@ -40,4 +41,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))

@@ -4,9 +4,11 @@ y = normalize(x) * (weight * output_scale) (+ bias * output_scale): the multipli
 O(hidden) op on the weight, nothing per activation. `output_scale` is a plain float
 attribute (LNS uses it), never a parameter or buffer.
 
-RMSNorm is one call either way: apex's fused kernel on CUDA when apex is importable, else
-``torch.nn.functional.rms_norm`` (fp32 statistics; in fp32 bitwise the textbook expression
-x * rsqrt(mean(x^2) + eps) * gain, and one graph node for ``torch.compile`` to fuse).
+RMSNorm is one call, the first of: apex's fused kernel (CUDA, apex importable); torch's fused
+kernel (CUDA builds that have ``_fused_rms_norm_backward``); else ``kernels.rms_norm``, which keeps
+only the input and the fp32 reciprocal RMS for backward where torch's unfused ``F.rms_norm`` keeps
+two fp32 copies of the activation. All three compute x * rsqrt(mean(x^2) + eps) * gain with fp32
+statistics (``kernels.rms_norm``'s forward is bitwise ``F.rms_norm``'s).
 
 `forward(x, *params)` may be given stand-ins for the module's own parameters (same values, in
 `parameters()` order): under sequence parallelism the block routes them through an autograd
@@ -20,11 +22,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from lnstrain.model.config import ModelConfig
+from lnstrain.model.kernels import rms_norm
 
 try:
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine
 except ImportError:  # apex is optional
     fused_rms_norm_affine = None
+
+
+def _has_kernel(op: str, dispatch_key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+    except RuntimeError:  # no such op in this torch
+        return False
+
+
+TORCH_FUSED_RMS_NORM_ON_CUDA = _has_kernel("aten::_fused_rms_norm_backward", "CUDA")
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +50,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         gain = weight * self.output_scale if self.output_scale != 1.0 else weight
-        if fused_rms_norm_affine is not None and x.is_cuda:
+        if x.is_cuda and fused_rms_norm_affine is not None:
             return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
-        return F.rms_norm(x, weight.shape, gain, self.eps)
+        if x.is_cuda and TORCH_FUSED_RMS_NORM_ON_CUDA:
+            return F.rms_norm(x, weight.shape, gain, self.eps)
+        return rms_norm(x, gain, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

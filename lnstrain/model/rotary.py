@@ -6,8 +6,9 @@ head_dim]``, with cos/sin tables cached in the exact broadcast shape ``[seq, 1, 
 rotate(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
 
 For the fused q|k|v projection, ``RotaryEmbedding.fused_qkv`` rotates q and k in one pass over
-their contiguous block of heads and, in backward, writes the gradient of the whole fused output
-into one buffer, so neither direction copies q, k or v beyond the rotation itself. Its results
+their contiguous block of heads into a new q|k|v buffer (v copied beside them, so that the
+projection's output is freed rather than kept alive for attention's backward by a v view) and, in
+backward, writes the gradient of the whole fused output into one buffer. Its results
 (forward and gradients) are bitwise those of ``rotate`` applied to q and k separately, which is
 what it does under ``torch.compile`` (where inductor fuses the copies away anyway).
 """
@@ -55,7 +56,7 @@ class RotaryEmbedding(nn.Module):
                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q and k, and v, from a fused projection's output [batch, seq, (q_heads + 2 kv_heads) * head_dim].
 
-        Returns [batch, seq, heads, head_dim] tensors: q and k views of one new buffer, v a view of ``qkv``.
+        Returns [batch, seq, heads, head_dim] tensors, views of one new buffer.
         """
         cos, sin = self.tables(qkv.shape[1], qkv.device, qkv.dtype)
         if torch.compiler.is_compiling():  # inductor fuses the plain ops; dynamo cannot trace `out=` views
@@ -72,14 +73,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rotate(x, cos, sin)``, the same roundings, in one new buffer with fewer passes over memory."""
+def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """``rotate(x, cos, sin)``, the same roundings, written into ``out`` with fewer passes over memory."""
     half = x.shape[-1] // 2
-    out = x * cos
+    torch.mul(x, cos, out=out)
     rotated_sin = torch.empty_like(out)
     torch.mul(x[..., half:], sin[..., :half], out=rotated_sin[..., :half]).neg_()  # -(a*b) == (-a)*b exactly
     torch.mul(x[..., :half], sin[..., half:], out=rotated_sin[..., half:])
-    return out.add_(rotated_sin)
+    out.add_(rotated_sin)
 
 
 def _unrotate_into(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -97,11 +98,14 @@ class _RotateFusedQKV(torch.autograd.Function):
         batch, seq, width = qkv.shape
         head_dim = cos.shape[-1]
         heads = qkv.view(batch, seq, width // head_dim, head_dim)
-        rotated = _rotate_into(heads[:, :, :q_heads + kv_heads], cos, sin)
+        rotated = torch.empty_like(heads)
+        qk = q_heads + kv_heads
+        _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
+        rotated[:, :, qk:] = heads[:, :, qk:]
         ctx.save_for_backward(cos, sin)
         ctx.q_heads = q_heads
         ctx.kv_heads = kv_heads
-        return rotated[:, :, :q_heads], rotated[:, :, q_heads:], heads[:, :, q_heads + kv_heads:]
+        return rotated[:, :, :q_heads], rotated[:, :, q_heads:qk], rotated[:, :, qk:]
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):

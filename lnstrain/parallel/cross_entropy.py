@@ -70,12 +70,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """One rank holds the whole vocabulary: torch's fused log-softmax (one pass, one buffer kept
-    for backward, where it becomes the softmax in place)."""
+    """One rank holds the whole vocabulary: torch's fused log-softmax, upcasting 16-bit logits as it
+    reads them (no fp32 copy of the logits), one fp32 buffer kept for backward, where it becomes the
+    softmax in place."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int):
-        log_probs = torch.log_softmax(_mask_padded_columns(logits.float(), 0, vocab_size), dim=-1)
+        log_probs = torch.log_softmax(_mask_padded_columns(logits, 0, vocab_size), dim=-1, dtype=torch.float32)
         ctx.save_for_backward(log_probs, labels)
         return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1).neg()
 

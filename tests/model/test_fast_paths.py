@@ -1,7 +1,7 @@
 """The fast paths compute what the textbook expressions compute (bitwise, or within float rounding).
 
 Fused-QKV rotary (one rotation over q|k, one gradient buffer) against the plain rotation of q and k
-by autograd; RMSNorm through ``F.rms_norm`` against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)); the
+by autograd; RMSNorm against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)); the
 one-rank cross-entropy (fused log-softmax) against the tensor-parallel form.
 """
 
@@ -32,7 +32,8 @@ def test_fused_qkv_rotary_is_bitwise_the_plain_rotation(q_heads, kv_heads):
     for ours, reference in zip(fused, plain):
         assert torch.equal(ours, reference)
     assert torch.equal(fused_grad, qkv.grad)
-    assert fused[2].data_ptr() == qkv.data_ptr() + (q_heads + kv_heads) * head_dim * qkv.element_size()
+    buffers = {t.untyped_storage().data_ptr() for t in fused}
+    assert buffers != {qkv.untyped_storage().data_ptr()} and len(buffers) == 1  # the projection's output can be freed
 
 
 def test_rotation_is_rotate_half():
