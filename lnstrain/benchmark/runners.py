@@ -31,6 +31,7 @@ from lnstrain.config.run_config import Config
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import NormScheme
 from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.training.optimizer import adam_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ def autocast_for(device: torch.device, dtype_name: str) -> contextlib.AbstractCo
 
 
 def adamw_for(params: list[nn.Parameter], config: Config, device: torch.device) -> torch.optim.AdamW:
-    """torch AdamW with the config's hyper-parameters: fused kernel on CUDA, foreach elsewhere."""
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    """torch AdamW with the config's hyper-parameters and lnstrain's kernel choice (``adam_kernel``)."""
+    kernel = adam_kernel([device])
     optim = config.optim
     return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                              weight_decay=optim.weight_decay, **kernel)

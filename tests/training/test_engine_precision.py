@@ -49,12 +49,12 @@ def test_bf16_zero0_with_accumulated_micro_batches_is_refused_naming_the_keys():
     assert bf16_accumulation_problem(_config(zero_stage=0, pipeline=2), 2) == ""  # BF16_Optimizer: fp32 buffers
 
 
-def test_adam_kernel_is_fused_only_when_every_parameter_is_on_cuda():
+def test_adam_kernel_is_fused_when_every_parameter_is_on_one_fused_device_type():
     cuda = torch.device("cuda", 0)  # a device object only: no GPU needed to decide
     assert adam_kernel([cuda, torch.device("cuda", 0)]) == {"fused": True}
     assert adam_kernel(["cuda:1"]) == {"fused": True}
     assert adam_kernel([cuda, torch.device("cpu")]) == {"foreach": True}
-    assert adam_kernel([torch.device("cpu")]) == {"foreach": True}
+    assert adam_kernel([torch.device("cpu")]) == {"fused": True}
     assert adam_kernel([torch.device("meta")]) == {"foreach": True}
 
 

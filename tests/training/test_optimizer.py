@@ -46,7 +46,7 @@ def test_adam_settings_and_cpu_kernel():
     assert type(optimizer) is torch.optim.Adam
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"]) == (3e-4, (0.8, 0.9), 1e-6)
-    assert group["foreach"] is True and not group["fused"]
+    assert group["fused"] is True and not group["foreach"]
 
 
 def test_decay_only_touches_matrices_in_a_step():
