@@ -17,6 +17,7 @@ memory next to the --dry-run estimate. Exit status 2: a bad config or option, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lnstrain.benchmark.hf_baseline import BaselineUnavailable, HFRunner, transformers_version  # noqa: E402
-from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak  # noqa: E402
+from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak, tensor_tracker  # noqa: E402
 from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
                                        shape)
@@ -188,15 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     memory = None
     for index, spec in enumerate(specs):
         reset_peak(device)
-        try:
-            runner = build_runner(spec, world_size, args.seed + rank, device)
-        except BaselineUnavailable as error:
-            notes.append(f"{spec.name} skipped: {error}")
-            continue
-        for _ in range(args.warmup):
-            runner.step()
+        tracker = tensor_tracker(device) if index == 0 else None
+        with tracker or contextlib.nullcontext():  # the first runner's build and warm-up steps only: the timed steps run untracked
+            try:
+                runner = build_runner(spec, world_size, args.seed + rank, device)
+            except BaselineUnavailable as error:
+                notes.append(f"{spec.name} skipped: {error}")
+                continue
+            for _ in range(args.warmup):
+                runner.step()
         if index == 0:
-            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device))
+            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device, tracker))
         runners.append((spec, runner))
     timed = time_interleaved([runner for _, runner in runners], args.steps)
     seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]

@@ -4,8 +4,11 @@ On CUDA the measured figure is ``torch.cuda.max_memory_allocated`` (tensors only
 the caching allocator's slack), taken over the first runner's build, warm-up and steps before any
 other runner exists. The estimate (``lnstrain.estimate.memory``) models the DeepSpeed engine's
 states (16-bit weights, fp32 master copy and moments, ZeRO sharding) and 16-bit activations, so the
-comparison is made for the ``engine`` runner only. On the CPU only the process's resident-set high
-water mark is available, which also counts the Python runtime and every library.
+comparison is made for the ``engine`` runner only. Elsewhere (the CPU) the first runner's build and
+warm-up steps run under ``LiveTensorBytes``, whose peak of live tensor bytes stands in for the CUDA
+figure (the resident-set high-water mark is recorded too, but it also counts the Python runtime and
+every library). The CPU then measures the same engine with torch's CPU kernels: the same tensors
+except what differs between the CPU and the CUDA kernels' own workspaces.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lnstrain.benchmark.tensor_memory import LiveTensorBytes
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.memory import memory_estimate
 
@@ -25,13 +29,21 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory(device: torch.device) -> dict[str, Any]:
+def tensor_tracker(device: torch.device) -> LiveTensorBytes | None:
+    """A live-tensor-bytes tracker where the device has no allocator statistics (not CUDA)."""
+    return None if device.type == "cuda" else LiveTensorBytes()
+
+
+def peak_memory(device: torch.device, tracker: Any = None) -> dict[str, Any]:
     """Measured peaks in bytes."""
     if device.type == "cuda":
         return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+    measured = {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+    if isinstance(tracker, LiveTensorBytes):
+        measured["peak_tensor_bytes"] = tracker.peak
+    return measured
 
 
 def memory_report(config: Config, world_size: int, device: torch.device, runner_kind: str,
@@ -41,12 +53,14 @@ def memory_report(config: Config, world_size: int, device: torch.device, runner_
     estimated = memory_estimate(config, world_size).total_with(mode)
     report: dict[str, Any] = {"runner_kind": runner_kind, "activation_checkpointing": mode,
                               "estimated_bytes": estimated, **measured}
-    comparable = device.type == "cuda" and runner_kind == "engine"
-    if comparable:
-        report["estimate_over_measured"] = estimated / measured["peak_allocated_bytes"]
-        report["note"] = "peak allocated on the first runner alone; the estimate excludes the CUDA context"
+    peak = measured.get("peak_allocated_bytes", measured.get("peak_tensor_bytes"))
+    if runner_kind == "engine" and peak:
+        report["estimate_over_measured"] = estimated / peak
+        report["note"] = ("peak allocated on the first runner alone; the estimate excludes the CUDA context"
+                          if device.type == "cuda" else
+                          "peak live tensor bytes over the first runner's build and warm-up steps (LiveTensorBytes)")
     else:
-        why = "no CUDA allocator statistics on the CPU" if device.type != "cuda" else (
+        why = "no peak measured (no warm-up steps?)" if not peak else (
             f"the estimate models the DeepSpeed engine, not the {runner_kind!r} runner's fp32 weights + autocast")
         report["estimate_over_measured"] = None
         report["note"] = f"not compared: {why}"

@@ -110,9 +110,10 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(line)
     mem = doc["memory"]
     if mem:
-        measured = mem.get("peak_allocated_bytes", mem.get("peak_rss_bytes"))
+        kind, measured = next((key, mem[key]) for key in ("peak_allocated_bytes", "peak_tensor_bytes", "peak_rss_bytes")
+                              if mem.get(key) is not None)
         ratio = mem["estimate_over_measured"]
-        lines.append(f"memory: measured {measured / 2**30:.2f} GiB, estimate {mem['estimated_bytes'] / 2**30:.2f} GiB"
+        lines.append(f"memory: measured {measured / 2**30:.2f} GiB ({kind}), estimate {mem['estimated_bytes'] / 2**30:.2f} GiB"
                      + (f" (estimate/measured {ratio:.3f})" if ratio is not None else f" ({mem['note']})"))
     lines += [f"note: {note}" for note in doc.get("notes", [])]
     return "\n".join(lines)

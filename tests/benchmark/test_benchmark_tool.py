@@ -82,6 +82,7 @@ def test_engine_runner_beside_the_hf_baseline(tmp_path):
     assert doc["runners"][0]["breakdown_s"] is None and doc["runners"][1]["breakdown_s"] is not None
     assert doc["peak"]["tflops"] is None and doc["runners"][0]["throughput"]["mfu"] is None
     assert doc["memory"]["runner_kind"] == "engine" and doc["memory"]["peak_rss_bytes"] > 0
+    assert doc["memory"]["peak_tensor_bytes"] > 0 and doc["memory"]["estimate_over_measured"] > 0
 
 
 def test_bad_options_are_reported_together_before_anything_runs(capsys):

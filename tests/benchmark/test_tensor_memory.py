@@ -1,0 +1,52 @@
+"""LiveTensorBytes counts storages once, follows frees and resizes, and works on fake tensors."""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lnstrain.benchmark.tensor_memory import LiveTensorBytes
+
+MIB = 2**20
+
+
+def test_counts_storages_not_views_and_follows_frees():
+    tracker = LiveTensorBytes()
+    with tracker:
+        a = torch.empty(MIB // 4)  # 1 MiB of fp32
+        view = a.view(2, -1)[1]
+        b = a * 2
+        assert tracker.live == 2 * MIB
+        del b
+        assert tracker.live == MIB and tracker.peak == 2 * MIB
+        del a
+        assert tracker.live == MIB  # the view keeps the storage alive
+        del view
+        assert tracker.live == 0
+        tracker.reset_peak()
+        c = torch.zeros(10, dtype=torch.bfloat16)
+        c.resize_(1000)
+        assert tracker.live == tracker.peak == 2000
+    del c
+    assert tracker.live == 0
+
+
+def test_tensors_saved_for_backward_stay_counted_until_backward_frees_them():
+    tracker = LiveTensorBytes()
+    x = torch.randn(256, 256, requires_grad=True)
+    matrix = 256 * 256 * 4
+    with tracker:
+        y = torch.sigmoid(x)  # autograd keeps this output for backward
+        z = (y * 3).sum()
+        del y
+        assert tracker.live >= matrix
+        z.backward()
+        del z
+    assert matrix <= tracker.live < matrix + 1024  # x.grad (and scalars) only: the saved output is gone
+
+
+def test_fake_tensors_are_counted_without_being_allocated():
+    tracker = LiveTensorBytes()
+    with FakeTensorMode(), tracker:
+        huge = torch.empty(2**40, dtype=torch.uint8)  # 1 TiB, never allocated
+        assert tracker.live == 2**40
+        del huge
+    assert tracker.live == 0 and tracker.peak == 2**40
