@@ -4,7 +4,8 @@ All numbers are bytes on one rank of the heaviest pipeline stage; CUDA context, 
 fragmentation, communication buffers and temporary tensors are not included (keep a margin).
 
 Model states, per parameter held by the rank (ψ):
-  * bf16/fp16: weights 2 bytes; gradients 2 (4 with bf16 and ``precision.fp32_grad_accum``);
+  * bf16/fp16: weights 2 bytes; gradients 2, or 4 where DeepSpeed accumulates bf16 gradients in fp32
+    (``precision.fp32_grad_accum`` with ZeRO ≥ 1 or a pipeline; see ``config.deepspeed_json``);
     optimizer 12 (fp32 master copy 4 + Adam moments 4 + 4).  fp32: 4 + 4 + 8.
   * ZeRO over the data-parallel group (size d): stage ≥1 divides the optimizer state by d, stage ≥2
     the gradients, stage 3 the weights.
@@ -13,21 +14,29 @@ Model states, per parameter held by the rank (ψ):
     vocabulary / t) on the first stage, the head on the last (with tied embeddings and p > 1 the last
     stage holds a copy of the embedding).
 
-Activations, 16-bit, per layer and micro-batch (s sequence, b micro-batch, h hidden, f FFN,
-h_kv = kv heads × head dim, a heads), following Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models") adapted to the LLaMA block:
-  * R (replicated over the tensor group unless sequence parallel) = 4sbh (two norm inputs)
-    + 2sbh (QKV input) + 2sbh (MLP input) + 2sbh (two dropout masks, only with hidden dropout > 0);
-  * S (split over the tensor group) = 2sb(h + 2h_kv) (Q, K, V) + 2sbh (output-projection input)
-    + 8sbf (SwiGLU: gate and up 4sbf, SiLU output 2sbf, product 2sbf) + C;
+Activations, per layer and micro-batch (s sequence, b micro-batch, h hidden, f FFN, h_kv = kv heads ×
+head dim, a heads, e bytes per activation element: 2 in bf16/fp16, 4 in fp32), following Korthikanti
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") adapted to the LLaMA
+block as lnstrain computes it (``lnstrain.model.kernels``: RMSNorm keeps its input and a per-row
+fp32 statistic, SwiGLU recomputes silu in backward):
+  * R (replicated over the tensor group unless sequence parallel) = 2e·sbh (two norm inputs)
+    + e·sbh (QKV input) + e·sbh (MLP input) + 2sbh (two 1-byte dropout masks, only with hidden dropout > 0);
+  * S (split over the tensor group) = e·sb(h + 2h_kv) (rotated Q, K and V) + e·sbh (attention output,
+    the output projection's input) + 3e·sbf (SwiGLU: gate, up, and their product, the down projection's
+    input) + C;
   * C (attention core) = 4·a·s·b with SDPA / flash attention (fp32 log-sum-exp; the s×s scores are
     never stored), or Korthikanti's 5·a·s²·b when the scores are materialised.
   Per layer: R/t + S/t with sequence parallelism, R + S/t without. For reference, Korthikanti's GPT
   block (4h GeLU MLP, dropout, scores stored) is s·b·h·(34 + 5·a·s/h).
-  Recomputation: ``selective`` drops C; ``full`` keeps only each layer's input, 2sbh (/t with
+  Recomputation: ``selective`` drops C; ``full`` keeps only each layer's input, e·sbh (/t with
   sequence parallelism), plus one layer's full activations while it is recomputed.
   A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage; the
-  last stage adds the logits and the loss, 4·s·b·V/t (Korthikanti's output-layer term).
+  last stage adds the loss: the logits and their fp32 log-probabilities, (e + 4)·s·b·V/t.
+Peak = weights + optimizer state + the larger of (gradients + activations), counted at their fullest
+although backward frees activations as gradients appear, and the gradients held during the optimizer
+step (16-bit ZeRO 0 adds a 4-byte fp32 copy per parameter there). DeepSpeed's ZeRO ≥ 1 buffers
+(reduce and all-gather buckets, flat partitions) are not modelled. ``docs/performance.md`` has the
+measured ratios.
 """
 
 from __future__ import annotations
@@ -54,9 +63,12 @@ class StageMemory:
     optimizer: float
     activations: dict[str, float] = field(default_factory=dict)
     """Activation bytes by checkpointing mode (``none``, ``selective``, ``full``)."""
+    step_gradients: float = 0.0
+    """Gradient bytes while the optimizer steps, when more than ``gradients`` (an fp32 copy is made)."""
 
     def total(self, checkpointing: str) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations[checkpointing]
+        during_step = max(self.step_gradients, self.gradients)
+        return self.weights + self.optimizer + max(self.gradients + self.activations[checkpointing], during_step)
 
 
 @dataclass(frozen=True)
@@ -117,15 +129,15 @@ def stage_parameters(model: ModelConfig, tensor: int, pipeline: int, stage: int,
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, tensor: int,
                            sequence_parallel: bool, checkpointing: str,
-                           scores_stored: bool = False) -> float:
+                           scores_stored: bool = False, element_bytes: int = 2) -> float:
     """Activation bytes one layer keeps for backward, per micro-batch (formula in the module docstring)."""
     s, b, h, f, a = seq_len, micro_batch, model.hidden_size, model.ffn_hidden_size, model.num_heads
-    h_kv = model.kv_heads * model.head_dim
+    h_kv, e = model.kv_heads * model.head_dim, element_bytes
     if checkpointing == "full":
-        return 2 * s * b * h / (tensor if sequence_parallel else 1)
-    replicated = 8 * s * b * h + (2 * s * b * h if model.hidden_dropout > 0 else 0)
+        return e * s * b * h / (tensor if sequence_parallel else 1)
+    replicated = 4 * e * s * b * h + (2 * s * b * h if model.hidden_dropout > 0 else 0)
     core = 5 * a * s * s * b if scores_stored else 4 * a * s * b
-    split = 2 * s * b * (h + 2 * h_kv) + 2 * s * b * h + 8 * s * b * f
+    split = e * s * b * (h + 2 * h_kv) + e * s * b * h + 3 * e * s * b * f
     if checkpointing == "none":
         split += core
     return (replicated / tensor if sequence_parallel else replicated) + split / tensor
@@ -137,13 +149,24 @@ def korthikanti_gpt_layer_bytes(model: ModelConfig, seq_len: int, micro_batch: i
     return s * b * h * (34 + 5 * a * s / h)
 
 
+def activation_element_bytes(config: Config) -> int:
+    return 4 if config.precision.dtype == "fp32" else 2
+
+
 def _bytes_per_parameter(config: Config) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
-    precision = config.precision
+    precision, parallel = config.precision, config.parallel
     if precision.dtype == "fp32":
         return 4, 4, 8
-    gradients = 4 if precision.dtype == "bf16" and precision.fp32_grad_accum else 2
-    return 2, gradients, 12
+    fp32_accumulation = precision.dtype == "bf16" and precision.fp32_grad_accum and (
+        parallel.zero_stage >= 1 or parallel.pipeline > 1)
+    return 2, 4 if fp32_accumulation else 2, 12
+
+
+def _fp32_copy_of_gradients_at_step(config: Config) -> bool:
+    """16-bit ZeRO 0 without a pipeline: DeepSpeed's FP16_UnfusedOptimizer converts every 16-bit gradient
+    to an fp32 copy for the master weights' update, so the step holds both."""
+    return config.precision.dtype != "fp32" and config.parallel.zero_stage == 0 and config.parallel.pipeline == 1
 
 
 def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
@@ -155,25 +178,28 @@ def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
     weight_b, grad_b, optim_b = _bytes_per_parameter(config)
     zero = par.zero_stage
     s, b = config.data.seq_len, config.train.micro_batch_size
+    e = activation_element_bytes(config)
     stages = []
     for stage, layers in enumerate(stage_layer_counts(model.num_layers, pp, par.pipeline_boundaries)):
         params = stage_parameters(model, tp, pp, stage, layers)
         in_flight = min(pp - stage, accumulation) if pp > 1 else 1
         activations = {}
         for mode in CHECKPOINTING_MODES:
-            per_layer = layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode)
+            per_layer = layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode, element_bytes=e)
             total = layers * per_layer * in_flight
             if mode == "full":  # one layer's activations exist while it is recomputed for backward
-                total += layer_activation_bytes(model, s, b, tp, par.sequence_parallel, "none")
+                total += layer_activation_bytes(model, s, b, tp, par.sequence_parallel, "none", element_bytes=e)
             if stage == pp - 1:
-                total += 4 * s * b * model.padded_vocab_size(tp) / tp
+                total += (e + 4) * s * b * model.padded_vocab_size(tp) / tp
             activations[mode] = total
+        gradients = params * grad_b / (dp if zero >= 2 else 1)
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=params,
             weights=params * weight_b / (dp if zero >= 3 else 1),
-            gradients=params * grad_b / (dp if zero >= 2 else 1),
+            gradients=gradients,
             optimizer=params * optim_b / (dp if zero >= 1 else 1),
-            activations=activations))
+            activations=activations,
+            step_gradients=gradients + params * 4 if _fp32_copy_of_gradients_at_step(config) else 0.0))
     return MemoryEstimate(checkpointing=config.train.activation_checkpointing, stages=stages,
                           tensor=tp, pipeline=pp, data=dp, zero_stage=zero)
 
