@@ -96,6 +96,11 @@ class TransformerBlock(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sublayer_outputs(x)[1]
+
+    def sublayer_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states after the attention sublayer and after the MLP sublayer (the layer's
+        output), each with its norms and residual. A direct call: no hooks, no activation checkpointing."""
         # Under sequence parallelism the replicated parameters come back as stand-ins whose
         # gradients are summed over the tensor group (one all-reduce for the whole layer).
         params = sequence_parallel_params({name: getattr(self, name) for name in self.REPLICATED}, self.groups)
@@ -106,9 +111,10 @@ class TransformerBlock(nn.Module):
                 return module
             return lambda x: module(x, *params[name])
 
-        x = self._residual(x, self.attention, child("attention_norm"), child("attention_output_norm"),
-                           child("attention_layerscale"))
-        return self._residual(x, self.mlp, child("mlp_norm"), child("mlp_output_norm"), child("mlp_layerscale"))
+        after_attention = self._residual(x, self.attention, child("attention_norm"), child("attention_output_norm"),
+                                         child("attention_layerscale"))
+        return after_attention, self._residual(after_attention, self.mlp, child("mlp_norm"), child("mlp_output_norm"),
+                                               child("mlp_layerscale"))
 
     def _residual(self, x: torch.Tensor, sublayer: nn.Module, norm: Callable[[torch.Tensor], torch.Tensor],
                   output_norm: Callable[[torch.Tensor], torch.Tensor] | None,

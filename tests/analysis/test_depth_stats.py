@@ -36,8 +36,7 @@ def manual_stats(model, windows) -> dict[str, float]:
     hidden = model.embedding(tokens)
     records, outputs = [], []
     for block in model.layers:
-        middle = block._residual(hidden, block.attention, block.attention_norm, None, None)
-        out = block._residual(middle, block.mlp, block.mlp_norm, None, None)
+        middle, out = block.sublayer_outputs(hidden)
         records.append((hidden, middle, out))
         outputs.append(out)
         hidden = out
