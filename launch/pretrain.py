@@ -4,7 +4,7 @@
     deepspeed launch/pretrain.py --config configs/7b_lns.yaml            # all local GPUs (or CPU ranks)
     deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
     python launch/pretrain.py --config configs/demo.yaml --set train.steps=50
-    python launch/pretrain.py --config configs/7b_lns.yaml --dry-run     # memory/time estimate only
+    python launch/pretrain.py --config configs/7b_lns.yaml --dry-run --world-size 16   # estimate only
 
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the memory and throughput estimate and exit without starting anything")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --dry-run: the number of ranks to estimate for (default: $WORLD_SIZE when a "
+                             "launcher sets it, else parallel.tensor x parallel.pipeline, one data-parallel replica)")
     parser.add_argument("--resume", metavar="PATH",
                         help="resume from this checkpoint directory or global_step<N> directory "
                              "(same as --set checkpoint.resume=PATH)")
@@ -51,6 +54,10 @@ def fail(problems: list[str], source: str) -> None:
 def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> None:
     """Print the estimate (rank 0 only); missing data files are noted in it, other problems stop it."""
     config = load_config(args.config, overrides, world_size, validate=False)
+    if args.world_size is not None:
+        world_size = args.world_size
+    elif "WORLD_SIZE" not in os.environ:
+        world_size = max(config.parallel.tensor * config.parallel.pipeline, 1)
     from lnstrain.estimate.report import dry_run_report
 
     report = dry_run_report(config, world_size)  # raises ConfigError listing the config's problems

@@ -72,3 +72,17 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
     assert 3 <= step_of(latest) < 1000
     assert (checkpoints / latest / COMPLETE_MARKER).is_file()
     assert (tmp_path / "tiny" / "config.yaml").is_file()
+
+
+def test_dry_run_of_a_multi_gpu_config_without_a_launcher():
+    """A plain `python ... --dry-run` estimates one data-parallel replica; --world-size picks another size."""
+    command = [sys.executable, str(LAUNCHER), "--config", str(REPO / "configs" / "7b_lns.yaml"), "--dry-run"]
+    default = subprocess.run(command, capture_output=True, text=True, env=launcher_env(), timeout=120)
+    assert default.returncode == 0, default.stderr
+    assert "on 4 rank(s)" in default.stdout  # tp 2 × pp 2
+    sixteen = subprocess.run(command + ["--world-size", "16"], capture_output=True, text=True, env=launcher_env(),
+                             timeout=120)
+    assert sixteen.returncode == 0 and "on 16 rank(s)" in sixteen.stdout and "data 4" in sixteen.stdout
+    bad = subprocess.run(command + ["--world-size", "6"], capture_output=True, text=True, env=launcher_env(),
+                         timeout=120)
+    assert bad.returncode == 2 and "world size 6 is not divisible" in bad.stderr
