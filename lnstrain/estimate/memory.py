@@ -206,3 +206,31 @@ def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
 
 def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:,.2f} GiB"
+
+
+DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def unmodelled_buffers_note(config: Config, world_size: int, estimate: MemoryEstimate) -> str:
+    """What DeepSpeed's ZeRO ≥ 1 gradient buckets may add beyond the estimate (empty at ZeRO 0).
+
+    Measured on one-rank CPU engines (docs/performance.md): at ZeRO 1 with bf16 and fp32 accumulation,
+    backward flattens up to ``reduce_bucket_size`` 16-bit gradients and all-reduces an fp32 copy
+    (6 bytes per element, transient); at ZeRO 2 a reduce buffer of ``reduce_bucket_size`` 16-bit
+    elements is kept.
+    """
+    from lnstrain.config.deepspeed_json import deepspeed_config
+
+    zero = config.parallel.zero_stage
+    if zero == 0:
+        return ""
+    bucket = int(deepspeed_config(config, world_size)["zero_optimization"].get(
+        "reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET))
+    element = 4 if config.precision.dtype == "fp32" else 2
+    if zero == 1:
+        extra = min(bucket, estimate.heaviest.parameters) * (element + 4)
+    else:
+        extra = bucket * element
+    return (f"ZeRO {zero}: DeepSpeed's gradient buckets (reduce_bucket_size {bucket:,} elements) can add about "
+            f"{gib(extra)} per rank{' and more at ZeRO 3 (prefetch and persistence buffers)' if zero == 3 else ''}, "
+            "not counted in the estimate; set deepspeed: {zero_optimization: {reduce_bucket_size: N}} to cap it")

@@ -16,7 +16,8 @@ from lnstrain.config.deepspeed_json import deepspeed_config
 from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, flops_per_token
-from lnstrain.estimate.memory import CHECKPOINTING_MODES, GIB, korthikanti_gpt_layer_bytes, memory_estimate
+from lnstrain.estimate.memory import (CHECKPOINTING_MODES, GIB, korthikanti_gpt_layer_bytes, memory_estimate,
+                                      unmodelled_buffers_note)
 from lnstrain.estimate.validation import split_file_problems
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -87,7 +88,8 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
             "korthikanti_gpt_layer_bytes": korthikanti_gpt_layer_bytes(model, seq_len, config.train.micro_batch_size),
         },
         "deepspeed_config": deepspeed_config(config, world_size),
-        "notes": [f"{note} (ignored by the dry run; needed by the real run)" for note in missing_files],
+        "notes": [f"{note} (ignored by the dry run; needed by the real run)" for note in missing_files]
+                 + [note for note in [unmodelled_buffers_note(config, world_size, memory)] if note],
     }
 
 

@@ -108,3 +108,15 @@ def test_activation_formula_and_checkpointing_modes():
     config = run_config({"preset": "130m"}, activation_checkpointing="full")
     estimate = memory_estimate(config, 8)
     assert estimate.total == estimate.total_with("full") < estimate.total_with("none")
+
+
+def test_zero_buckets_are_named_in_a_note_with_their_size():
+    from lnstrain.estimate.memory import unmodelled_buffers_note
+
+    zero0 = run_config({"preset": "130m"}, {"zero_stage": 0})
+    assert unmodelled_buffers_note(zero0, 8, memory_estimate(zero0, 8)) == ""
+    zero2 = run_config({"preset": "130m"}, {"zero_stage": 2})
+    note = unmodelled_buffers_note(zero2, 8, memory_estimate(zero2, 8))
+    assert "reduce_bucket_size 500,000,000 elements" in note and "0.93 GiB" in note  # 5e8 bf16 elements
+    capped = dataclasses.replace(zero2, deepspeed={"zero_optimization": {"reduce_bucket_size": 50_000_000}})
+    assert "0.09 GiB" in unmodelled_buffers_note(capped, 8, memory_estimate(capped, 8))
