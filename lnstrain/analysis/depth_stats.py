@@ -3,7 +3,7 @@
 Every `interval` steps the trainer arms the collector before the step and collects after it:
 
     depth_stats = DepthStatsCollector(model, groups, cfg.logging.depth_stats_interval,
-                                      num_layers=cfg.model.num_layers)
+                                      num_layers=cfg.model.num_layers, loss_scale=current_loss_scale)
     ...
     armed = depth_stats.wants(step)
     if armed:
@@ -21,10 +21,17 @@ Per global layer number l (tags `depth/<stat>/layer_07`):
   it was not called);
 - output_grad_norm: norm of the step loss's gradient with respect to layer l's output activations
   (all tokens of the step; the loss is the mean over data-parallel ranks and micro-batches,
-  as DeepSpeed defines it; divide out an fp16 loss scale with `collect(step, loss_scale=...)`);
+  as DeepSpeed defines it);
 - attention_to_residual, mlp_to_residual: ||sublayer contribution|| / ||residual it is added
   to||, both summed over tokens. The contribution is the change of the residual stream (for
   Post-LN blocks, which are not additive, the change across the sublayer and its norm).
+
+fp16 loss scale: both gradient norms are divided by the scale that multiplied the loss in the
+step's backward passes, which the parameter gradients (read before the optimizer step) and the
+output gradients (seen during backward) both carry. `current_loss_scale` (a callable: the scale
+the next backward will use, None without one) is read in `arm`. It cannot be read after the step:
+DeepSpeed's dynamic loss scaler updates it inside the optimizer step (x2 after
+`loss_scale_window` clean steps, /2 on overflow), so that value is off by 2 on exactly those steps.
 
 Hooks exist only on armed steps, so other steps cost nothing. Sums stay on the device until
 `collect`, which all-reduces one [num_layers, 9] float64 tensor over the whole world: layers a
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -105,11 +112,14 @@ class DepthStatsCollector:
 
     module: anything containing this rank's `TransformerBlock`s (a `Transformer`, a pipeline
     stage, the DeepSpeed engine's module). num_layers: the model's total L; if omitted it is
-    found with one all-reduce at the first collect.
+    found with one all-reduce at the first collect. loss_scale: returns the factor the next
+    backward multiplies the loss by (the fp16 loss scale; None or 1.0 when the loss is not
+    scaled); read in `arm`, before the step's backward and optimizer step.
     """
 
     def __init__(self, module: nn.Module, groups: ParallelGroups, interval: int,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None,
+                 loss_scale: Callable[[], float | None] | None = None) -> None:
         if interval < 0:
             raise ValueError(f"logging.depth_stats_interval must be >= 0 (got {interval})")
         self.groups = groups
@@ -125,6 +135,8 @@ class DepthStatsCollector:
         self.device = next(module.parameters()).device
         self._handles: list[Any] = []
         self._armed = False
+        self._loss_scale_source = loss_scale
+        self._step_loss_scale: float | None = None
         self._sums: dict[int, torch.Tensor] = {}
         self._param_grad_squares: dict[int, torch.Tensor] = {}
         self._read_parameter_grads = False
@@ -143,6 +155,9 @@ class DepthStatsCollector:
         if self._armed:
             return
         self._armed = True
+        if self._loss_scale_source is not None:
+            scale = self._loss_scale_source()
+            self._step_loss_scale = None if scale is None else float(scale)
         if not self.counts_here:
             return
         for block in self.blocks:
@@ -224,12 +239,18 @@ class DepthStatsCollector:
             self.num_layers = int(local.item())
         return self.num_layers
 
-    def collect(self, step: int, loss_scale: float = 1.0) -> dict[str, float]:
+    def collect(self, step: int, loss_scale: float | None = None) -> dict[str, float]:
         """Remove the hooks and return {tag: value} for every layer of the model, on every rank.
 
         Collective over the default process group: every rank must call it on the same steps.
+        loss_scale: only for a collector built without a `loss_scale` source (which wins when
+        given): the scale that multiplied this step's loss in backward, read before the optimizer
+        step; None: the loss was not scaled.
         """
         self.disarm()
+        if self._loss_scale_source is not None:
+            loss_scale = self._step_loss_scale
+        self._step_loss_scale = None
         num_layers = self._global_num_layers(self.device)
         table = torch.zeros(num_layers, _NUM_SUMS, dtype=torch.float64, device=self.device)
         for number, sums in self._sums.items():
@@ -246,7 +267,7 @@ class DepthStatsCollector:
         if missing:
             raise RuntimeError(f"depth stats at step {step}: no forward pass seen for layers {missing}; "
                                "arm() must come before the step's forward passes")
-        return self._scalars(table, loss_scale, read_parameter_grads)
+        return self._scalars(table, loss_scale or 1.0, read_parameter_grads)
 
     def _scalars(self, table: torch.Tensor, loss_scale: float, read_parameter_grads: bool) -> dict[str, float]:
         num_layers = table.shape[0]
