@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint, resolve_resume
-from lnstrain.checkpoint.metadata import read_metadata, write_atomically
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
 from lnstrain.parallel.groups import ParallelGroups
@@ -31,6 +31,7 @@ from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
 from lnstrain.training.preflight import tokenizer_checksum
+from lnstrain.training.resume import restore_or_start
 from lnstrain.training.signals import StopController
 
 logger = logging.getLogger(__name__)
@@ -118,32 +119,7 @@ class Trainer:
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
         ``checkpoint.init_from`` when given."""
-        checkpoint = self.config.checkpoint
-        step_dir, problems = resolve_resume(checkpoint.resume, self.config.checkpoint_dir)
-        if problems:
-            raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
-        if step_dir is None:
-            if checkpoint.init_from:
-                from lnstrain.checkpoint.reshard import initialize_from
-
-                initialize_from(self.engine, checkpoint.init_from)
-            return TrainingPosition(), None
-        return self._load(step_dir), step_dir
-
-    def _load(self, step_dir: Path) -> TrainingPosition:
-        from lnstrain.checkpoint.reshard import load_resharded, needs_resharding, reshard_problems
-
-        layout = (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size)
-        self.checkpoints.check_same_data(step_dir)
-        if not needs_resharding(step_dir, layout):
-            return self.checkpoints.load(self.engine.engine, step_dir)
-        fresh_optimizer = self.config.checkpoint.reshard_with_fresh_optimizer
-        problems = reshard_problems(step_dir, layout, fresh_optimizer)
-        if problems:
-            raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
-        position = load_resharded(self.engine, step_dir, require_optimizer_state=not fresh_optimizer)
-        self.checkpoints.mark_loaded(read_metadata(step_dir))
-        return position
+        return restore_or_start(self.config, self.engine, self.checkpoints)
 
     def evaluate(self) -> float | None:
         train = self.config.train
