@@ -38,14 +38,21 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions 0..seq_len-1, shaped [seq_len, 1, head_dim]."""
+        if torch.compiler.is_compiling():
+            # computed in the graph (inductor folds it): guards on the cache's state would compile each
+            # layer twice, and a recompilation is where dynamo specialises on LNS's per-layer float
+            return self._compute(seq_len, device, dtype)
         cached = self.cos_cached
         if cached is None or cached.shape[0] < seq_len or cached.device != device or cached.dtype != dtype:
-            exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
-            inv_freq = 1.0 / (self.theta ** exponents)
-            angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-            angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-            self.cos_cached, self.sin_cached = angles.cos().to(dtype), angles.sin().to(dtype)
+            self.cos_cached, self.sin_cached = self._compute(seq_len, device, dtype)
         return self.cos_cached[:seq_len], self.sin_cached[:seq_len]
+
+    def _compute(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k, shaped [batch, seq, heads, head_dim], by their positions 0..seq-1."""

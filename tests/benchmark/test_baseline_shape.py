@@ -30,21 +30,25 @@ def test_hf_baseline_refuses_schemes_llama_lacks():
         llama_config_kwargs(model_preset("tiny", norm_scheme="post_ln"))
 
 
+@pytest.mark.slow
 def test_lns_compiles_to_two_graphs_not_one_per_layer():
     """The 1/sqrt(l) factors are floats torch.compile does not specialise on: layer 1 (factor 1.0,
-    no multiply) and one graph for every other layer; Pre-LN is one graph."""
+    no multiply) and one graph for every other layer; Pre-LN is one graph. Three steps with inductor:
+    a recompilation (once caused by the rotary cache's state) is where inductor specialised on the
+    float, one graph per layer, which hits dynamo's recompile limit in a deep model."""
     from torch._dynamo.utils import counters
 
     graphs = {}
     for scheme in ("pre_ln", "lns"):
         torch._dynamo.reset()
         counters.clear()
-        model = Transformer(model_preset("tiny", num_layers=10, norm_scheme=scheme), ParallelGroups.single_process())
+        model = Transformer(model_preset("tiny", num_layers=6, norm_scheme=scheme), ParallelGroups.single_process())
         for block in model.modules():
             if isinstance(block, TransformerBlock):
-                block.compile(backend="eager")
+                block.compile(backend="inductor")
         tokens = torch.randint(0, 100, (2, 16))
-        model.loss(tokens, tokens).backward()
+        for _ in range(3):
+            model.loss(tokens, tokens).backward()
         graphs[scheme] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs == {"pre_ln": 1, "lns": 2}
