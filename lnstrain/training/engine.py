@@ -28,6 +28,7 @@ from lnstrain.model.block import TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.batches import MicroBatch, weigh_micro_batches, weighted_token_loss
 from lnstrain.training.grad_clip import GradClipHook
+from lnstrain.training.health import NonFiniteGradientSkip
 from lnstrain.training.optimizer import build_optimizer
 from lnstrain.training.schedule import build_scheduler
 
@@ -165,6 +166,10 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
         clip_hook = GradClipHook(params, config.optim.grad_clip, groups.tp_rank,
                                  engine.mpu.get_model_parallel_group() if engine.mpu is not None else None)
         optimizer.register_step_pre_hook(clip_hook)
+        if engine.optimizer is not optimizer:  # NonFiniteGradientSkip's overflow flag must reach DeepSpeed
+            raise RuntimeError(f"DeepSpeed wrapped the fp32 ZeRO-0 optimizer in {type(engine.optimizer).__name__}; "
+                               "lnstrain's own clipping and non-finite step skipping expect it unwrapped")
+        optimizer.register_step_pre_hook(NonFiniteGradientSkip(lambda: clip_hook.last_norm))
     return TrainingEngine(engine=engine, module=module, groups=groups, config=config, scheduler=scheduler,
                           clip_hook=clip_hook)
 

@@ -4,8 +4,13 @@
 stage, activations elsewhere) during a step, and all ranks agree on it in one all-reduce right
 before the optimizer step; for a bad step it empties the gradients handed to the torch optimizer,
 which then leaves weights and Adam state untouched. fp16 runs are left to DeepSpeed's loss scaler,
-which already skips overflowing steps. A non-finite loss with finite outputs (possible only with
-a broken loss) is noticed after the step, from the loss every rank returns.
+which already skips overflowing steps.
+
+Non-finite gradients from finite outputs (a non-finite loss, which on a pipeline only the last
+stage computes, or a backward that overflows) are caught by the global gradient norm, which every
+rank of a model replica shares: DeepSpeed's ZeRO and bf16 optimizers skip such a step themselves,
+and ``NonFiniteGradientSkip`` does the same where lnstrain clips (fp32 without ZeRO). The loss every
+rank returns then tells the trainer the step was non-finite.
 
 Skipped data keeps Contract 4's "step s trains on global batch s": a step whose batch is skipped
 (``train.skip_sample_ranges``, or rolled back) trains on nothing, and the schedule still moves on.
@@ -16,12 +21,20 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Leave the optimizer's parameters without gradients: torch's Adam and AdamW then leave those
+    parameters and their state (moments, step count) untouched."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 class NonFiniteGuard:
@@ -59,11 +72,8 @@ class NonFiniteGuard:
         self._local_bad.zero_()
 
     def _drop_gradients(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if not self.skip_update:
-            return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None  # torch's Adam/AdamW leave parameters without gradients untouched
+        if self.skip_update:
+            drop_gradients(optimizer)
 
     def end_step(self) -> bool:
         """Whether the step just taken was declared bad (and its update dropped); resets for the next."""
@@ -73,6 +83,31 @@ class NonFiniteGuard:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+class NonFiniteGradientSkip:
+    """Optimizer step pre-hook, after the hook that measures the global gradient norm: a step whose
+    norm is not finite is not applied, as DeepSpeed's own optimizers do it.
+
+    Setting ``optimizer.overflow`` is DeepSpeed's signal from an optimizer that it skipped the step:
+    DeepSpeed then reports the step as not applied and leaves the learning-rate schedule where it
+    is, exactly as after a ZeRO or bf16 optimizer's skipped step. The norm is reduced over every
+    pipeline stage and tensor rank, and data-parallel ranks hold the same gradients, so every rank
+    skips the same steps.
+
+    Args:
+        global_norm: the norm measured for this step (None: not measured, the step goes ahead).
+    """
+
+    def __init__(self, global_norm: Callable[[], float | None]) -> None:
+        self.global_norm = global_norm
+
+    def __call__(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        norm = self.global_norm()
+        optimizer.overflow = norm is not None and not math.isfinite(norm)
+        if optimizer.overflow:
+            logger.warning("global gradient norm is %s: this step's update is not applied", norm)
+            drop_gradients(optimizer)
 
 
 class LossSpikeDetector:
