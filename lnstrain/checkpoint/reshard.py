@@ -61,9 +61,13 @@ def _prime_optimizer_state(engine: Any, step: int) -> None:
     DeepSpeed's per-parameter views of the moments exist before the first step."""
     base = _base_optimizer(engine)
     for group in base.param_groups:
+        # torch's own rule: fused and capturable kernels read the step on the parameter's device
+        # (fused CUDA AdamW refuses a CPU step), the others keep it on the CPU.
+        step_on_param_device = bool(group.get("fused") or group.get("capturable"))
         for flat in group["params"]:
             state = base.state[flat]
-            state["step"] = torch.tensor(float(step))
+            state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=flat.device if step_on_param_device else "cpu")
             for key in MOMENT_KEYS:
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
     wrapper = engine.optimizer
