@@ -21,7 +21,6 @@ from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
 from tests.checkpoint.test_hf_export import perturbed_model, reference_llama_logits, tokens
-from tests.checkpoint.test_reshard import _tolerate_fsync_race
 
 SHAPE = ["model.num_layers=4", "model.vocab_size=200", "model.make_vocab_size_divisible_by=48",
          "model.num_heads=4", "model.num_kv_heads=2"]
@@ -47,7 +46,6 @@ def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine
 
-    _tolerate_fsync_race()
     saved = {}
     for case in CASES:
         config = _config(corpus, root, case, world_size)
