@@ -11,30 +11,25 @@ LayerScale and LayerNorm models are refused: plain LLaMA code cannot compute the
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lnstrain.checkpoint.command_line import open_checkpoint_from_command_line  # noqa: E402
 from lnstrain.checkpoint.hf_io import save_hf_checkpoint  # noqa: E402
 from lnstrain.checkpoint.hf_llama import export_problems  # noqa: E402
-from lnstrain.checkpoint.layouts import read_full_state, read_step_config, resolve_step_dir  # noqa: E402
+from lnstrain.checkpoint.layouts import read_full_state  # noqa: E402
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir or global_step<N> dir")
-    parser.add_argument("--output", required=True, help="directory to write the Hugging Face checkpoint to")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="fully unpickle DeepSpeed files that need it (only for files you trust)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-    step_dir = resolve_step_dir(args.checkpoint)
-    config = read_step_config(step_dir)
+    args, step_dir, config = open_checkpoint_from_command_line(
+        __doc__, argv, "directory to write the Hugging Face checkpoint to", _add_export_arguments)
     problems = export_problems(config.model)
     if problems:
         print("cannot export " + str(step_dir) + ":\n  " + "\n  ".join(problems), file=sys.stderr)

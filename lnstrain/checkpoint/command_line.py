@@ -1,0 +1,34 @@
+"""The command line the checkpoint export tools share (``tools/consolidate_checkpoint.py``,
+``tools/convert_to_hf.py``): ``--checkpoint``, ``--output``, the tool's own options, ``--allow-pickle``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lnstrain.checkpoint.layouts import read_step_config, resolve_step_dir
+from lnstrain.config.run_config import Config
+
+
+def open_checkpoint_from_command_line(
+        description: str, argv: Sequence[str] | None, output_help: str,
+        add_tool_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> tuple[argparse.Namespace, Path, Config]:
+    """Parse a tool's command line, set up console logging, and find the checkpoint it names.
+
+    Returns (arguments, step directory, resolved run config); the weights are not read yet, so a
+    tool can refuse a config first. ``args.allow_pickle`` is for ``read_full_state``.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir or global_step<N> dir")
+    parser.add_argument("--output", required=True, help=output_help)
+    if add_tool_arguments is not None:
+        add_tool_arguments(parser)
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="fully unpickle DeepSpeed files that need it (only for files you trust)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    step_dir = resolve_step_dir(args.checkpoint)
+    return args, step_dir, read_step_config(step_dir)
