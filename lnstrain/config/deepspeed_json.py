@@ -69,3 +69,14 @@ def bf16_accumulation_problem(config: Config, world_size: int) -> str:
             "pipeline). Set parallel.zero_stage: 1 (the same update, optimizer state split over data-parallel "
             "ranks), or precision.fp32_grad_accum: false to accumulate in bf16, or one micro-batch per step "
             "(train.micro_batch_size = train.global_batch_size / data-parallel size).")
+
+
+def fp16_loss_scaling_problem(config: Config) -> str:
+    """fp16 at ZeRO 0: DeepSpeed 0.19's engine scales the loss in backward only for ZeRO optimizers, while
+    its FP16_Optimizer / FP16_UnfusedOptimizer still divide the gradients by the loss scale, so every
+    update would be 1/scale of its size (upstream: deepspeedai/DeepSpeed PR 8393). Empty when fine."""
+    if config.precision.dtype != "fp16" or config.parallel.zero_stage > 0:
+        return ""
+    return ("precision.dtype fp16 with parallel.zero_stage 0: DeepSpeed 0.19 does not scale the fp16 loss "
+            "without ZeRO but still unscales the gradients, which would shrink every update by the loss "
+            "scale. Set parallel.zero_stage: 1 (or higher), or precision.dtype: bf16.")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config
+from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config, fp16_loss_scaling_problem
 from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import Config
 from lnstrain.model.block import TransformerBlock
@@ -43,6 +43,7 @@ class StepResult:
     grad_norm: float | None
     lr: float
     loss_scale: float | None
+    """The fp16 loss scale after the step (the next step's); None without fp16."""
     skipped: bool
 
 
@@ -57,6 +58,8 @@ def layout_problems(config: Config, world_size: int) -> list[str]:
     problems += config.cross_section_problems(world_size)
     if bf16_accumulation_problem(config, world_size):
         problems.append(bf16_accumulation_problem(config, world_size))
+    if fp16_loss_scaling_problem(config):
+        problems.append(fp16_loss_scaling_problem(config))
     if _overcounted_kv_rows(config) and not _clips_itself(config):
         problems.append(_overcounted_kv_rows(config) + " Set model.fused_qkv: false (separate projections "
                         "are counted exactly) or optim.grad_clip: 0")
@@ -244,7 +247,7 @@ class TrainingEngine:
                 loss = self._forward_backward_step(micro_batches)
         finally:
             self._before_optimizer_step = None
-        return StepResult(loss=loss, grad_norm=self._grad_norm(), lr=lr, loss_scale=self._loss_scale(),
+        return StepResult(loss=loss, grad_norm=self._grad_norm(), lr=lr, loss_scale=self.current_loss_scale(),
                           skipped=not self.engine.was_step_applied())
 
     def _forward_backward_step(self, micro_batches: list[MicroBatch]) -> float:
@@ -304,7 +307,9 @@ class TrainingEngine:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
-    def _loss_scale(self) -> float | None:
+    def current_loss_scale(self) -> float | None:
+        """The fp16 loss scale the next backward uses (None without fp16). DeepSpeed updates it inside
+        the optimizer step, so read after a step it is the next step's, not that step's."""
         if not self.engine.fp16_enabled():
             return None
         optimizer = self.engine.optimizer  # FP16_Optimizer: cur_scale; ZeRO optimizers: loss_scale

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config
+from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config, fp16_loss_scaling_problem
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.training.engine import layout_problems
 from lnstrain.training.optimizer import adam_kernel
@@ -134,3 +134,11 @@ def test_bf16_engines_build_and_train_under_zero_0_1_2():
     assert results["bf16_zero1"]["data_types"] == ["torch.bfloat16", "torch.float32"]
     assert results["bf16_zero2"]["data_types"] == ["torch.bfloat16", "torch.float32"]
     assert results["bf16_zero0"]["data_types"] == ["torch.bfloat16", "torch.bfloat16"]
+
+
+def test_fp16_without_zero_is_refused_because_deepspeed_would_not_scale_the_loss():
+    fp16 = _config(dtype="fp16", zero_stage=0)
+    assert "parallel.zero_stage: 1" in fp16_loss_scaling_problem(fp16)
+    assert fp16_loss_scaling_problem(fp16) in layout_problems(fp16, 1)  # refused before any process group
+    assert fp16_loss_scaling_problem(_config(dtype="fp16", zero_stage=1)) == ""
+    assert fp16_loss_scaling_problem(_config(zero_stage=0)) == ""  # bf16
