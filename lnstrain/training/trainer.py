@@ -62,7 +62,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _depth_stats_collector(config: Config, module: Any, groups: ParallelGroups):
+def _depth_stats_collector(config: Config, engine: Any, groups: ParallelGroups):
     """Per-layer statistics every ``logging.depth_stats_interval`` steps, when asked for and available."""
     if config.logging.depth_stats_interval <= 0:
         return None
@@ -71,7 +71,8 @@ def _depth_stats_collector(config: Config, module: Any, groups: ParallelGroups):
     except ImportError:
         logger.warning("logging.depth_stats_interval is set but lnstrain.analysis.depth_stats is unavailable")
         return None
-    return DepthStatsCollector(module, groups, config.logging.depth_stats_interval, config.model.num_layers)
+    return DepthStatsCollector(engine.module, groups, config.logging.depth_stats_interval, config.model.num_layers,
+                               loss_scale=engine.current_loss_scale)
 
 
 class Trainer:
@@ -105,7 +106,7 @@ class Trainer:
             data_fingerprint(config.data), tokenizer_checksum(config))
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=config.run.dir / "tensorboard" if config.logging.tensorboard else None)
-        self.depth_stats = _depth_stats_collector(config, self.engine.module, self.groups)
+        self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
             deepspeed_optimizer = self.engine.engine.optimizer
@@ -181,7 +182,10 @@ class Trainer:
             callbacks.insert(0, self.depth_stats.read_parameter_grads)
         step = self.engine.train_step(batch, before_optimizer_step=lambda: [run() for run in callbacks])
         seconds = time.perf_counter() - started
-        nonfinite = (self.guard.end_step() if self.guard else False) or not math.isfinite(step.loss)
+        # a step DeepSpeed skips without fp16's loss scaler had non-finite gradients (finite loss or not)
+        gradients_nonfinite = step.skipped and step.loss_scale is None
+        guarded = self.guard.end_step() if self.guard else False
+        nonfinite = guarded or not math.isfinite(step.loss) or gradients_nonfinite
         if nonfinite and step.skipped:  # DeepSpeed skipped it (and its schedule step): keep lr = f(step)
             self.engine.scheduler.step()
         position.step += 1
@@ -190,7 +194,7 @@ class Trainer:
         result.losses[position.step] = float(step.loss)
         if nonfinite:
             position.nonfinite_steps += 1
-            logger.warning("non-finite loss or output at step %d (loss %s): its update was not applied "
+            logger.warning("non-finite loss, output or gradients at step %d (loss %s): its update was not applied "
                            "(train.nonfinite_policy: %s)", position.step, step.loss, config.train.nonfinite_policy)
         spike = self.spikes.observe(float(step.loss))
         if spike is not None:
@@ -202,7 +206,7 @@ class Trainer:
             seconds, position.tokens_seen, position.nonfinite_steps, position.skipped_batches, position.loss_spikes),
             log_now=position.step % config.logging.interval == 0)
         if depth_stats_now:
-            stats = self.depth_stats.collect(position.step, step.loss_scale or 1.0)
+            stats = self.depth_stats.collect(position.step)  # unscaled by the scale read when armed
             self.metrics.record_depth_stats(stats, position.step)
         return seconds, nonfinite
 
