@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         gain = weight * self.output_scale if self.output_scale != 1.0 else weight
         if x.is_cuda and fused_rms_norm_affine is not None:
             return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
-        if x.is_cuda and TORCH_FUSED_RMS_NORM_ON_CUDA:
+        if x.is_cuda and TORCH_FUSED_RMS_NORM_ON_CUDA and gain.dtype == x.dtype:  # else torch falls back unfused
             return F.rms_norm(x, weight.shape, gain, self.eps)
         return rms_norm(x, gain, self.eps)
 
