@@ -34,7 +34,9 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": config.grad_accumulation_steps(world_size),
         "gradient_clipping": config.optim.grad_clip,
         "zero_optimization": {"stage": config.parallel.zero_stage},
-        "bf16": {"enabled": precision.dtype == "bf16"},
+        # bf16: skipping a step whose gradients are not finite is DeepSpeed's default; lnstrain's
+        # non-finite policies rely on it, so it is stated rather than inherited
+        "bf16": {"enabled": True, "check_grad_overflow": True} if precision.dtype == "bf16" else {"enabled": False},
         "fp16": {
             "enabled": precision.dtype == "fp16",
             "loss_scale": 0,  # 0 selects dynamic loss scaling

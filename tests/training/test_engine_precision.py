@@ -33,7 +33,7 @@ def _config(dtype: str = "bf16", zero_stage: int = 0, micro_batch: int | None = 
 @pytest.mark.parametrize("zero_stage,accumulates_in_fp32_key", [(0, False), (1, True), (2, True), (3, True)])
 def test_bf16_json_asks_for_fp32_accumulation_only_where_deepspeed_has_it(zero_stage, accumulates_in_fp32_key):
     ds = deepspeed_config(_config(zero_stage=zero_stage), world_size=1)
-    assert ds["bf16"] == {"enabled": True}
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert ("data_types" in ds) == accumulates_in_fp32_key
 
 
