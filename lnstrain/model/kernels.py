@@ -24,13 +24,16 @@ def _opmath(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = (x · rstd · gain).to(x.dtype), rstd = (mean(x²) + eps)^-½ in at least fp32: torch's roundings."""
+    """y = (x · rstd · gain).to(x.dtype), gain = weight · scale, rstd = (mean(x²) + eps)^-½ in at least
+    fp32: torch's roundings. The constant ``scale`` is applied here, not as an autograd node of its own."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+        gain = weight * scale if scale != 1.0 else weight
         x32 = _opmath(x)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, gain, rstd)
+        ctx.scale = scale
         return (x32 * rstd).mul_(gain).to(x.dtype)
 
     @staticmethod
@@ -38,21 +41,22 @@ class _RMSNorm(torch.autograd.Function):
         x, gain, rstd = ctx.saved_tensors
         normalized = _opmath(x) * rstd
         grad32 = _opmath(grad_out)  # ``grad_out`` itself when fp32: never written to below
-        grad_gain = None
+        grad_weight = None
         if ctx.needs_input_grad[1]:
             rows = grad32.reshape(-1, grad32.shape[-1])
-            grad_gain = (rows * normalized.reshape(rows.shape)).sum(0).to(gain.dtype)
+            grad_gain = (rows * normalized.reshape(rows.shape)).sum(0)
+            grad_weight = (grad_gain * ctx.scale if ctx.scale != 1.0 else grad_gain).to(gain.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_normalized = grad32 * _opmath(gain)
             mean_dot = (grad_normalized * normalized).mean(-1, keepdim=True)
             grad_x = grad_normalized.sub_(normalized.mul_(mean_dot)).mul_(rstd).to(x.dtype)
-        return grad_x, grad_gain, None
+        return grad_x, grad_weight, None, None
 
 
-def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation over the last dimension times ``gain``, keeping x and rstd for backward."""
-    return _RMSNorm.apply(x, gain, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    """RMS normalisation over the last dimension times ``weight · scale``, keeping x and rstd for backward."""
+    return _RMSNorm.apply(x, weight, eps, float(scale))
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """RMSNorm and LayerNorm with a constant output multiplier folded into the gain.
 
 y = normalize(x) * (weight * output_scale) (+ bias * output_scale): the multiplier costs an
-O(hidden) op on the weight, nothing per activation. `output_scale` is a plain float
+O(hidden) op on the weight, nothing per activation (``kernels.rms_norm`` applies it inside its
+forward and backward, without an autograd node of its own). `output_scale` is a plain float
 attribute (LNS uses it), never a parameter or buffer.
 
 RMSNorm is one call, the first of: apex's fused kernel (CUDA, apex importable); torch's fused
@@ -49,12 +50,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
+        fused_on_cuda = x.is_cuda and (fused_rms_norm_affine is not None or (
+            TORCH_FUSED_RMS_NORM_ON_CUDA and weight.dtype == x.dtype))  # else torch falls back unfused
+        if not fused_on_cuda:
+            return rms_norm(x, weight, self.eps, self.output_scale)  # the factor inside the function
         gain = weight * self.output_scale if self.output_scale != 1.0 else weight
-        if x.is_cuda and fused_rms_norm_affine is not None:
+        if fused_rms_norm_affine is not None:
             return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
-        if x.is_cuda and TORCH_FUSED_RMS_NORM_ON_CUDA and gain.dtype == x.dtype:  # else torch falls back unfused
-            return F.rms_norm(x, weight.shape, gain, self.eps)
-        return rms_norm(x, gain, self.eps)
+        return F.rms_norm(x, weight.shape, gain, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

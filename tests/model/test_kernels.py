@@ -35,10 +35,25 @@ def test_rms_norm_forward_is_bitwise_torchs(dtype):
     assert torch.equal(rms_norm(x, gain, 1e-5), F.rms_norm(x, (48,), gain, 1e-5))
 
 
+def test_rms_norm_scale_is_the_gain_times_a_constant():
+    """LNS's 1/sqrt(l) inside the function: the same numbers as scaling the weight outside it."""
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    weight = (1 + 0.2 * torch.randn(48)).requires_grad_()
+    grad = torch.randn(3, 5, 48)
+    inside = rms_norm(x, weight, 1e-5, 0.5**0.5)
+    inside_grads = torch.autograd.grad(inside, (x, weight), grad)
+    outside = rms_norm(x, weight * 0.5**0.5, 1e-5)
+    outside_grads = torch.autograd.grad(outside, (x, weight), grad)
+    assert torch.equal(inside, outside) and torch.equal(inside, F.rms_norm(x, (48,), weight * 0.5**0.5, 1e-5))
+    for a, b in zip(inside_grads, outside_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_rms_norm_gradients_pass_gradcheck():
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     gain = torch.randn(6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, g: rms_norm(a, g, 1e-5), (x, gain))
+    assert torch.autograd.gradcheck(lambda a, g: rms_norm(a, g, 1e-5, 0.3), (x, gain))
 
 
 def test_rms_norm_bf16_gradients_match_fp64_to_rounding():
