@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
@@ -31,6 +31,7 @@ from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
 from lnstrain.training.preflight import tokenizer_checksum
+from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
 from lnstrain.training.signals import StopController
 
@@ -113,7 +114,7 @@ class Trainer:
             self.guard = NonFiniteGuard(self.engine.module, getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer),
                                         self.engine.device)
         self.spikes = LossSpikeDetector(config.train.spike_window, config.train.spike_zscore)
-        self._rolled_back_ranges: list[list[int]] = []
+        self.recovery = NonFiniteRecovery(config, self.engine, self.checkpoints)
         self._micro_batches = None
         self._iterator_at = -1
 
@@ -139,21 +140,6 @@ class Trainer:
             position = result.position
             result.eval_losses[position.step] = loss
             self.metrics.record_eval(position.step, position.tokens_seen, loss)
-
-    def _must_skip(self, position: TrainingPosition) -> bool:
-        """Whether the next global batch lies in ``train.skip_sample_ranges`` or a rolled-back range."""
-        start, end = position.consumed_samples, position.consumed_samples + self.global_batch
-        ranges = self.config.train.skip_sample_ranges + position.skipped_sample_ranges
-        return any(a < end and start < b for a, b in ranges)
-
-    def _skip_step(self, position: TrainingPosition) -> None:
-        """A step without training: the data position and the learning-rate schedule move on."""
-        logger.warning("step %d: skipping samples [%d, %d) (train.skip_sample_ranges or a rollback)",
-                       position.step + 1, position.consumed_samples, position.consumed_samples + self.global_batch)
-        self.engine.scheduler.step()
-        position.step += 1
-        position.consumed_samples += self.global_batch
-        position.skipped_batches += 1
 
     def _next_batch(self, position: TrainingPosition) -> list:
         """This rank's micro-batches of global batch ``position.consumed_samples / global batch``."""
@@ -210,27 +196,6 @@ class Trainer:
             self.metrics.record_depth_stats(stats, position.step)
         return seconds, nonfinite
 
-    def _roll_back(self, position: TrainingPosition, result: TrainingResult) -> TrainingPosition | None:
-        """Reload the newest checkpoint and never train on the batch that just failed; None when
-        there is no checkpoint to go back to."""
-        step_dir = newest_checkpoint(self.config.checkpoint_dir)
-        if step_dir is None:
-            return None
-        self._rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])
-        restored = self.checkpoints.load(self.engine.engine, step_dir)
-        ranges = {tuple(r) for r in restored.skipped_sample_ranges + self._rolled_back_ranges}
-        restored.skipped_sample_ranges = [list(r) for r in sorted(ranges)]
-        # the counters keep what happened since; the jump over the failed batch counts it as skipped
-        restored.nonfinite_steps, restored.loss_spikes = position.nonfinite_steps, position.loss_spikes
-        restored.skipped_batches = position.skipped_batches  # the replay counts the failed batch when it skips it
-        for steps in (result.losses, result.eval_losses):  # the replay records them again
-            for step in [s for s in steps if s > restored.step]:
-                del steps[step]
-        result.rollbacks.append(str(step_dir))
-        logger.warning("rolled back to %s (step %d); samples %s will be skipped", step_dir, restored.step,
-                       restored.skipped_sample_ranges)
-        return restored
-
     def _write_final_metrics(self, result: TrainingResult) -> None:
         position = result.position
         loss = result.eval_losses.get(position.step)
@@ -249,35 +214,27 @@ class Trainer:
         stop = StopController(config.train.max_wallclock_minutes, config.checkpoint.interval_minutes,
                               self.engine.device).install()
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
-        policy, patience = config.train.nonfinite_policy, config.train.max_nonfinite_in_a_row
-        bad_in_a_row = rollbacks_in_a_row = 0
         logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
                     position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
                     config.tokens_per_step)
         try:
             while position.step < self.total_steps:
-                if self._must_skip(position):
-                    self._skip_step(position)
+                if self.recovery.must_skip(position):
+                    self.recovery.skip_step(position)
                     seconds, nonfinite = 0.0, False
                 else:
                     seconds, nonfinite = self._step(self._next_batch(position), position, result)
-                bad_in_a_row = bad_in_a_row + 1 if nonfinite else 0
-                if nonfinite and policy == "rollback" and rollbacks_in_a_row < patience:
-                    restored = self._roll_back(position, result)
-                    if restored is not None:
-                        rollbacks_in_a_row += 1
-                        position = result.position = restored
-                        continue
-                if nonfinite and (policy != "skip" or bad_in_a_row >= patience):
+                verdict = self.recovery.after_step(nonfinite, position, result)
+                if verdict.restored is not None:
+                    position = result.position = verdict.restored
+                    continue
+                if verdict.stop:
                     result.last_checkpoint = self._save(position, stop)
-                    result.stop_reason = (f"non-finite loss at step {position.step} (train.nonfinite_policy: {policy}, "
-                                          f"{bad_in_a_row} in a row, {len(result.rollbacks)} rollbacks)")
+                    result.stop_reason = self.recovery.stop_reason(position, result)
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
                     return result
-                if nonfinite:
-                    position.skipped_batches += 1
                 finished = position.step == self.total_steps
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
@@ -287,7 +244,7 @@ class Trainer:
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
                     result.last_checkpoint = self._save(position, stop)
-                    rollbacks_in_a_row = 0
+                    self.recovery.checkpoint_saved()
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
                     logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
