@@ -191,7 +191,10 @@ class Trainer:
             position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
             seconds, position.tokens_seen, position.nonfinite_steps, position.skipped_batches, position.loss_spikes),
             log_now=position.step % config.logging.interval == 0)
-        if depth_stats_now:
+        if depth_stats_now and step.skipped:  # overflow or non-finite: its statistics would be too
+            self.depth_stats.disarm()
+            logger.info("depth statistics of step %d not recorded: the step was skipped", position.step)
+        elif depth_stats_now:
             stats = self.depth_stats.collect(position.step)  # unscaled by the scale read when armed
             self.metrics.record_depth_stats(stats, position.step)
         return seconds, nonfinite

@@ -3,7 +3,8 @@
 The test turns the gradient of the model's output into NaN on global batch 5 (the forward and the
 loss stay finite). DeepSpeed's engine then skips the update (lnstrain's gradient check in fp32
 without ZeRO, DeepSpeed's own overflow check elsewhere); the trainer must count the step as
-non-finite, apply ``train.nonfinite_policy``, and keep the learning-rate schedule on its step.
+non-finite, apply ``train.nonfinite_policy``, keep the learning-rate schedule on its step, and
+record no depth statistics for it.
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ def run(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
         trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
         if poisoned:
             poison_gradients(trainer, (POISONED_STEP - 1) * 8)
+        depth_stats = {}
+        record = trainer.metrics.record_depth_stats
+
+        def keep(stats, step):
+            depth_stats[step] = all(math.isfinite(value) for value in stats.values())
+            record(stats, step)
+
+        trainer.metrics.record_depth_stats = keep
         result = trainer.train()
         return {"losses": result.losses, "exit_code": result.exit_code, "nonfinite": result.position.nonfinite_steps,
-                "lr": trainer.engine.scheduler.get_last_lr()[0], "stop_reason": result.stop_reason}
+                "lr": trainer.engine.scheduler.get_last_lr()[0], "stop_reason": result.stop_reason,
+                "depth_stats": depth_stats}
 
     return {"reference": train("reference", "train.skip_sample_ranges=[[32, 40]]", poisoned=False),
-            "skip": train("skip", "train.nonfinite_policy=skip"),
+            "skip": train("skip", "train.nonfinite_policy=skip", "logging.depth_stats_interval=1"),
             "stop": train("stop", "train.nonfinite_policy=stop")}
 
 
@@ -62,4 +72,6 @@ def test_nan_gradients_with_a_finite_loss_are_a_nonfinite_step(tiny_corpus, tmp_
     for step in (1, 2, 3, 4, 6):  # the bad update was not applied and the schedule kept its step
         assert abs(skip["losses"][step] - reference["losses"][step]) <= TOLERANCE, step
     assert skip["lr"] == reference["lr"]
+    # depth statistics every step, except the skipped one (its gradients were NaN)
+    assert skip["depth_stats"] == {step: True for step in (1, 2, 3, 4, 6)}
     assert stop["exit_code"] == 3 and f"at step {POISONED_STEP}" in stop["stop_reason"]
