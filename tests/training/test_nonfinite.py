@@ -23,7 +23,9 @@ POISONED_STEP = 5  # samples [32, 40) with global batch 8
 TOLERANCE = 1e-6
 
 
-def poison_batch(trainer, first_sample: int) -> None:
+def poison_batch(trainer, first_sample: int, gradient_only: bool = False) -> None:
+    """NaN in the model's output on the micro-batch starting at ``first_sample``, or with
+    ``gradient_only`` in that output's gradient alone (the forward and the loss stay finite)."""
     from lnstrain.data import iterate_micro_batches
 
     config = trainer.config.train
@@ -32,9 +34,12 @@ def poison_batch(trainer, first_sample: int) -> None:
 
     def to_nan(_module, args, output):
         inputs = args[0]
-        if torch.equal(inputs.cpu(), target[:, : inputs.shape[1]]):
-            return output * math.nan
-        return output
+        if not torch.equal(inputs.cpu(), target[:, : inputs.shape[1]]):
+            return output
+        if gradient_only:
+            output.register_hook(lambda grad: grad * math.nan)
+            return output
+        return output * math.nan
 
     trainer.engine.module.register_forward_hook(to_nan, prepend=True)
 

@@ -13,27 +13,11 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
-from tests.training.test_nonfinite import POISONED_STEP, TOLERANCE
-
-
-def poison_gradients(trainer, first_sample: int) -> None:
-    from lnstrain.data import iterate_micro_batches
-
-    config = trainer.config.train
-    target = next(iterate_micro_batches(trainer.train_data, first_sample, config.global_batch_size,
-                                        config.micro_batch_size, 0, 1))["tokens"]
-
-    def nan_gradient(_module, args, output):
-        if torch.equal(args[0].cpu(), target[:, : args[0].shape[1]]):
-            output.register_hook(lambda grad: grad * math.nan)
-        return output
-
-    trainer.engine.module.register_forward_hook(nan_gradient, prepend=True)
+from tests.training.test_nonfinite import POISONED_STEP, TOLERANCE, poison_batch
 
 
 def run(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
@@ -43,7 +27,7 @@ def run(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
         overrides = tiny_run_overrides(corpus, root / name) + ["train.eval_interval=0", *extra]
         trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
         if poisoned:
-            poison_gradients(trainer, (POISONED_STEP - 1) * 8)
+            poison_batch(trainer, (POISONED_STEP - 1) * 8, gradient_only=True)
         depth_stats = {}
         record = trainer.metrics.record_depth_stats
 
