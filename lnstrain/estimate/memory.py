@@ -32,11 +32,11 @@ fp32 statistic, SwiGLU recomputes silu in backward):
   sequence parallelism), plus one layer's full activations while it is recomputed.
   A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage; the
   last stage adds the loss: the logits and their fp32 log-probabilities, (e + 4)·s·b·V/t.
-Peak = weights + optimizer state + the larger of (gradients + activations), counted at their fullest
-although backward frees activations as gradients appear, and the gradients held during the optimizer
-step (16-bit ZeRO 0 adds a 4-byte fp32 copy per parameter there). DeepSpeed's ZeRO ≥ 1 buffers
-(reduce and all-gather buckets, flat partitions) are not modelled. ``docs/performance.md`` has the
-measured ratios.
+Peak = weights + optimizer state + DeepSpeed's persistent buffers + the larger of (gradients +
+activations), counted at their fullest although backward frees activations as gradients appear, and
+the gradients held at the end of backward and in the step, which depend on the optimizer DeepSpeed
+wraps ours in (``deepspeed_optimizer``: its fp32 copies and all-reduce buckets). ZeRO 3's buffers
+are not modelled. ``docs/performance.md`` has the measured ratios.
 """
 
 from __future__ import annotations
@@ -64,11 +64,15 @@ class StageMemory:
     activations: dict[str, float] = field(default_factory=dict)
     """Activation bytes by checkpointing mode (``none``, ``selective``, ``full``)."""
     step_gradients: float = 0.0
-    """Gradient bytes while the optimizer steps, when more than ``gradients`` (an fp32 copy is made)."""
+    """Gradient bytes at the end of backward and in the optimizer step, when more than ``gradients``
+    (DeepSpeed's fp32 copies and all-reduce buckets)."""
+    buffers: float = 0.0
+    """DeepSpeed's persistent communication buffers (the ZeRO 1/2 reduce bucket)."""
 
     def total(self, checkpointing: str) -> float:
         during_step = max(self.step_gradients, self.gradients)
-        return self.weights + self.optimizer + max(self.gradients + self.activations[checkpointing], during_step)
+        return (self.weights + self.optimizer + self.buffers
+                + max(self.gradients + self.activations[checkpointing], during_step))
 
 
 @dataclass(frozen=True)
@@ -154,19 +158,77 @@ def activation_element_bytes(config: Config) -> int:
 
 
 def _bytes_per_parameter(config: Config) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding. DeepSpeed's ZeRO
+    optimizers keep an fp32 master partition even of fp32 weights (12 optimizer bytes then too)."""
     precision, parallel = config.precision, config.parallel
     if precision.dtype == "fp32":
-        return 4, 4, 8
+        return 4, 4, 8 if parallel.zero_stage == 0 else 12
     fp32_accumulation = precision.dtype == "bf16" and precision.fp32_grad_accum and (
         parallel.zero_stage >= 1 or parallel.pipeline > 1)
     return 2, 4 if fp32_accumulation else 2, 12
 
 
-def _fp32_copy_of_gradients_at_step(config: Config) -> bool:
-    """16-bit ZeRO 0 without a pipeline: DeepSpeed's FP16_UnfusedOptimizer converts every 16-bit gradient
-    to an fp32 copy for the master weights' update, so the step holds both."""
-    return config.precision.dtype != "fp32" and config.parallel.zero_stage == 0 and config.parallel.pipeline == 1
+def _gradient_bytes(config: Config, params: float, dp: int) -> float:
+    """Gradient bytes held during backward. ZeRO 1 without BF16_Optimizer keeps each parameter's full
+    16-bit (or fp32) ``.grad`` and an fp32 partition of them; ZeRO 2 only the partition."""
+    _, grad_b, _ = _bytes_per_parameter(config)
+    zero = config.parallel.zero_stage
+    if zero == 1 and deepspeed_optimizer(config) == "zero":
+        element = 4 if config.precision.dtype == "fp32" else 2
+        return params * element + params * 4 / dp
+    return params * grad_b / (dp if zero >= 2 else 1)
+
+
+DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000
+"""DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
+DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
+"""Elements per bucket of DeepSpeed's engine-level all-reduce (BF16_Optimizer's data parallelism)."""
+
+
+def deepspeed_optimizer(config: Config) -> str:
+    """Which DeepSpeed optimizer wraps ours (DeepSpeed 0.19, measured in tests/training/test_engine_precision.py):
+    ``fp16_unfused`` (16-bit, ZeRO 0, no pipeline), ``bf16_optimizer`` (bf16 with fp32 accumulation at
+    ZeRO 1, or any bf16 pipeline at ZeRO 0), ``zero`` (ZeRO 1/2 otherwise), ``zero3``, or ``none`` (fp32 ZeRO 0)."""
+    precision, parallel = config.precision, config.parallel
+    if parallel.zero_stage == 3:
+        return "zero3"
+    if precision.dtype == "bf16" and ((parallel.zero_stage == 1 and precision.fp32_grad_accum)
+                                      or (parallel.zero_stage == 0 and parallel.pipeline > 1)):
+        return "bf16_optimizer"
+    if parallel.zero_stage > 0:
+        return "zero"
+    return "none" if precision.dtype == "fp32" else "fp16_unfused"
+
+
+def _reduce_bucket(config: Config, world_size: int) -> tuple[int, bool]:
+    """(``reduce_bucket_size``, ``overlap_comm``) from the DeepSpeed JSON lnstrain derives."""
+    from lnstrain.config.deepspeed_json import deepspeed_config
+
+    zero = deepspeed_config(config, world_size)["zero_optimization"]
+    return int(zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET)), bool(zero.get("overlap_comm", False))
+
+
+def _deepspeed_gradient_memory(config: Config, world_size: int, params: float,
+                               gradients: float) -> tuple[float, float]:
+    """(gradient bytes at the end of backward / in the step, persistent buffer bytes) beyond ``gradients``,
+    as measured on one-rank CPU engines (docs/performance.md):
+
+    * ``fp16_unfused``: the step converts every 16-bit gradient to an fp32 copy (+4 bytes per parameter);
+    * ``bf16_optimizer``: the bf16 ``.grad`` (2 bytes) beside the fp32 accumulation buffer, and the
+      engine's all-reduce flattens up to ``DEEPSPEED_ALLREDUCE_BUCKET`` of them and sends an fp32 copy (6);
+    * ``zero``: a reduce bucket of ``reduce_bucket_size`` gradient elements, kept for the whole run
+      (two with ``overlap_comm``).
+    """
+    kind = deepspeed_optimizer(config)
+    element = 4 if config.precision.dtype == "fp32" else 2
+    if kind == "fp16_unfused":
+        return gradients + 4 * params, 0.0
+    if kind == "bf16_optimizer":
+        return gradients + 2 * params + 6 * min(DEEPSPEED_ALLREDUCE_BUCKET, params), 0.0
+    if kind == "zero":
+        bucket, overlap = _reduce_bucket(config, world_size)
+        return 0.0, bucket * element * (2 if overlap else 1)
+    return 0.0, 0.0
 
 
 def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
@@ -175,7 +237,7 @@ def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
     tp, pp = par.tensor, par.pipeline
     dp = max(config.data_parallel_size(world_size), 1)
     accumulation = max(config.grad_accumulation_steps(world_size), 1)
-    weight_b, grad_b, optim_b = _bytes_per_parameter(config)
+    weight_b, _, optim_b = _bytes_per_parameter(config)
     zero = par.zero_stage
     s, b = config.data.seq_len, config.train.micro_batch_size
     e = activation_element_bytes(config)
@@ -192,14 +254,15 @@ def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
             if stage == pp - 1:
                 total += (e + 4) * s * b * model.padded_vocab_size(tp) / tp
             activations[mode] = total
-        gradients = params * grad_b / (dp if zero >= 2 else 1)
+        gradients = _gradient_bytes(config, params, dp)
+        step_gradients, buffers = _deepspeed_gradient_memory(config, world_size, params, gradients)
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=params,
             weights=params * weight_b / (dp if zero >= 3 else 1),
             gradients=gradients,
             optimizer=params * optim_b / (dp if zero >= 1 else 1),
             activations=activations,
-            step_gradients=gradients + params * 4 if _fp32_copy_of_gradients_at_step(config) else 0.0))
+            step_gradients=step_gradients, buffers=buffers))
     return MemoryEstimate(checkpointing=config.train.activation_checkpointing, stages=stages,
                           tensor=tp, pipeline=pp, data=dp, zero_stage=zero)
 
@@ -208,29 +271,12 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:,.2f} GiB"
 
 
-DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000
-
-
 def unmodelled_buffers_note(config: Config, world_size: int, estimate: MemoryEstimate) -> str:
-    """What DeepSpeed's ZeRO ≥ 1 gradient buckets may add beyond the estimate (empty at ZeRO 0).
-
-    Measured on one-rank CPU engines (docs/performance.md): at ZeRO 1 with bf16 and fp32 accumulation,
-    backward flattens up to ``reduce_bucket_size`` 16-bit gradients and all-reduces an fp32 copy
-    (6 bytes per element, transient); at ZeRO 2 a reduce buffer of ``reduce_bucket_size`` 16-bit
-    elements is kept.
-    """
-    from lnstrain.config.deepspeed_json import deepspeed_config
-
-    zero = config.parallel.zero_stage
-    if zero == 0:
+    """What the estimate leaves out for this config (empty when nothing known): ZeRO 3's buffers."""
+    if config.parallel.zero_stage != 3:
         return ""
-    bucket = int(deepspeed_config(config, world_size)["zero_optimization"].get(
-        "reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET))
+    bucket, _ = _reduce_bucket(config, world_size)
     element = 4 if config.precision.dtype == "fp32" else 2
-    if zero == 1:
-        extra = min(bucket, estimate.heaviest.parameters) * (element + 4)
-    else:
-        extra = bucket * element
-    return (f"ZeRO {zero}: DeepSpeed's gradient buckets (reduce_bucket_size {bucket:,} elements) can add about "
-            f"{gib(extra)} per rank{' and more at ZeRO 3 (prefetch and persistence buffers)' if zero == 3 else ''}, "
-            "not counted in the estimate; set deepspeed: {zero_optimization: {reduce_bucket_size: N}} to cap it")
+    return (f"ZeRO 3: DeepSpeed's reduce bucket (reduce_bucket_size {bucket:,} elements, about {gib(bucket * element)}) "
+            "and its prefetch and persistence buffers are not counted in the estimate; set deepspeed: "
+            "{zero_optimization: {reduce_bucket_size: N, stage3_prefetch_bucket_size: N}} to cap them")

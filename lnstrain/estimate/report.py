@@ -82,6 +82,7 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
             "parameters_on_rank": heaviest.parameters,
             "weights_bytes": heaviest.weights, "gradients_bytes": heaviest.gradients,
             "optimizer_bytes": heaviest.optimizer,
+            "step_gradients_bytes": heaviest.step_gradients, "deepspeed_buffers_bytes": heaviest.buffers,
             "activations_bytes": dict(heaviest.activations),
             "total_bytes": memory.total,
             "total_bytes_by_checkpointing": {mode: memory.total_with(mode) for mode in CHECKPOINTING_MODES},
@@ -138,13 +139,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  optimizer:    {_gib(mem['optimizer_bytes'])} (fp32 master + Adam moments, ZeRO stage "
         f"{lay['zero_stage']})",
     ]
+    if mem["step_gradients_bytes"]:
+        lines.append(f"  gradients at the step: {_gib(mem['step_gradients_bytes'])} (DeepSpeed's fp32 copies and "
+                     "all-reduce buckets, instead of the activations)")
+    if mem["deepspeed_buffers_bytes"]:
+        lines.append(f"  DeepSpeed buffers: {_gib(mem['deepspeed_buffers_bytes'])} (ZeRO reduce bucket; "
+                     "deepspeed.zero_optimization.reduce_bucket_size)")
     for mode in CHECKPOINTING_MODES:
         marker = "  <- configured" if mode == ckpt else ""
         lines.append(f"  activations, checkpointing {mode:<9} {_gib(mem['activations_bytes'][mode])}"
                      f"  (total {_gib(mem['total_bytes_by_checkpointing'][mode]).strip()}){marker}")
     lines += [
-        f"  total:        {_gib(mem['total_bytes'])} (without CUDA context, fragmentation and "
-        f"communication buffers)",
+        f"  total:        {_gib(mem['total_bytes'])} (without the CUDA context, fragmentation and "
+        f"NCCL's own buffers)",
         "  activation formula: Korthikanti et al. 2022 adapted to the LLaMA block with SDPA/flash "
         "attention (no s×s scores stored); see lnstrain/estimate/memory.py. Reference GPT block "
         f"s·b·h·(34 + 5·a·s/h) = {_gib(mem['korthikanti_gpt_layer_bytes']).strip()} per layer",

@@ -105,18 +105,34 @@ def test_activation_formula_and_checkpointing_modes():
     assert layer_activation_bytes(model, s, b, 2, True, "none") == pytest.approx(none / 2)
     assert layer_activation_bytes(model, s, b, 2, False, "none") == pytest.approx(
         8 * s * b * h + (none - 8 * s * b * h) / 2)
-    config = run_config({"preset": "130m"}, activation_checkpointing="full")
+    config = run_config({"preset": "130m"}, {"zero_stage": 0}, activation_checkpointing="full")
     estimate = memory_estimate(config, 8)
     assert estimate.total == estimate.total_with("full") < estimate.total_with("none")
 
 
-def test_zero_buckets_are_named_in_a_note_with_their_size():
-    from lnstrain.estimate.memory import unmodelled_buffers_note
+def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
+    from lnstrain.estimate.memory import deepspeed_optimizer, unmodelled_buffers_note
 
-    zero0 = run_config({"preset": "130m"}, {"zero_stage": 0})
-    assert unmodelled_buffers_note(zero0, 8, memory_estimate(zero0, 8)) == ""
-    zero2 = run_config({"preset": "130m"}, {"zero_stage": 2})
-    note = unmodelled_buffers_note(zero2, 8, memory_estimate(zero2, 8))
-    assert "reduce_bucket_size 500,000,000 elements" in note and "0.93 GiB" in note  # 5e8 bf16 elements
-    capped = dataclasses.replace(zero2, deepspeed={"zero_optimization": {"reduce_bucket_size": 50_000_000}})
-    assert "0.09 GiB" in unmodelled_buffers_note(capped, 8, memory_estimate(capped, 8))
+    def stage(zero: int, deepspeed: dict | None = None, **precision):
+        config = run_config({"preset": "130m"}, {"zero_stage": zero})
+        config = dataclasses.replace(config, precision=dataclasses.replace(config.precision, **precision),
+                                     deepspeed=deepspeed or {})
+        return config, memory_estimate(config, 8).heaviest
+
+    config, zero0 = stage(0)
+    params = zero0.parameters
+    assert deepspeed_optimizer(config) == "fp16_unfused" and zero0.buffers == 0
+    assert zero0.step_gradients == zero0.gradients + 4 * params  # the fp32 copy of every bf16 gradient
+    config, zero1 = stage(1)
+    assert deepspeed_optimizer(config) == "bf16_optimizer" and zero1.buffers == 0
+    assert zero1.step_gradients == 4 * params + 2 * params + 6 * params  # fp32 buffer, bf16 .grad, one bucket
+    config, zero2 = stage(2)
+    assert deepspeed_optimizer(config) == "zero" and zero2.buffers == 500_000_000 * 2  # DeepSpeed's default bucket
+    _, capped = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": True}})
+    assert capped.buffers == 2 * 50_000_000 * 2  # two buckets with overlap_comm
+    config, fp32_zero1 = stage(1, dtype="fp32")
+    assert deepspeed_optimizer(config) == "zero" and fp32_zero1.optimizer == pytest.approx(12 * params / 8)
+    assert fp32_zero1.gradients == pytest.approx(4 * params + 4 * params / 8)  # full .grad + fp32 partition
+    assert unmodelled_buffers_note(config, 8, memory_estimate(config, 8)) == ""
+    config, _ = stage(3)
+    assert "ZeRO 3" in unmodelled_buffers_note(config, 8, memory_estimate(config, 8))
