@@ -153,7 +153,8 @@ def korthikanti_gpt_layer_bytes(model: ModelConfig, seq_len: int, micro_batch: i
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def activation_element_bytes(config: Config) -> int:
+def element_bytes(config: Config) -> int:
+    """Bytes of one weight, gradient or activation element in the training precision."""
     return 4 if config.precision.dtype == "fp32" else 2
 
 
@@ -174,8 +175,7 @@ def _gradient_bytes(config: Config, params: float, dp: int) -> float:
     _, grad_b, _ = _bytes_per_parameter(config)
     zero = config.parallel.zero_stage
     if zero == 1 and deepspeed_optimizer(config) == "zero":
-        element = 4 if config.precision.dtype == "fp32" else 2
-        return params * element + params * 4 / dp
+        return params * element_bytes(config) + params * 4 / dp
     return params * grad_b / (dp if zero >= 2 else 1)
 
 
@@ -210,8 +210,8 @@ def _reduce_bucket(config: Config, world_size: int) -> tuple[int, bool]:
 
 def _deepspeed_gradient_memory(config: Config, world_size: int, params: float,
                                gradients: float) -> tuple[float, float]:
-    """(gradient bytes at the end of backward / in the step, persistent buffer bytes) beyond ``gradients``,
-    as measured on one-rank CPU engines (docs/performance.md):
+    """(gradient bytes held at the end of backward and in the step, 0 when no more than ``gradients``;
+    persistent buffer bytes), as measured on CPU engines (docs/performance.md):
 
     * ``fp16_unfused``: the step converts every 16-bit gradient to an fp32 copy (+4 bytes per parameter);
     * ``bf16_optimizer``: the bf16 ``.grad`` (2 bytes) beside the fp32 accumulation buffer, and the
@@ -220,14 +220,13 @@ def _deepspeed_gradient_memory(config: Config, world_size: int, params: float,
       (two with ``overlap_comm``).
     """
     kind = deepspeed_optimizer(config)
-    element = 4 if config.precision.dtype == "fp32" else 2
     if kind == "fp16_unfused":
         return gradients + 4 * params, 0.0
     if kind == "bf16_optimizer":
         return gradients + 2 * params + 6 * min(DEEPSPEED_ALLREDUCE_BUCKET, params), 0.0
     if kind == "zero":
         bucket, overlap = _reduce_bucket(config, world_size)
-        return 0.0, bucket * element * (2 if overlap else 1)
+        return 0.0, bucket * element_bytes(config) * (2 if overlap else 1)
     return 0.0, 0.0
 
 
@@ -240,7 +239,7 @@ def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
     weight_b, _, optim_b = _bytes_per_parameter(config)
     zero = par.zero_stage
     s, b = config.data.seq_len, config.train.micro_batch_size
-    e = activation_element_bytes(config)
+    e = element_bytes(config)
     stages = []
     for stage, layers in enumerate(stage_layer_counts(model.num_layers, pp, par.pipeline_boundaries)):
         params = stage_parameters(model, tp, pp, stage, layers)
@@ -276,7 +275,7 @@ def unmodelled_buffers_note(config: Config, world_size: int, estimate: MemoryEst
     if config.parallel.zero_stage != 3:
         return ""
     bucket, _ = _reduce_bucket(config, world_size)
-    element = 4 if config.precision.dtype == "fp32" else 2
-    return (f"ZeRO 3: DeepSpeed's reduce bucket (reduce_bucket_size {bucket:,} elements, about {gib(bucket * element)}) "
+    return (f"ZeRO 3: DeepSpeed's reduce bucket (reduce_bucket_size {bucket:,} elements, about "
+            f"{gib(bucket * element_bytes(config))}) "
             "and its prefetch and persistence buffers are not counted in the estimate; set deepspeed: "
             "{zero_optimization: {reduce_bucket_size: N, stage3_prefetch_bucket_size: N}} to cap them")
