@@ -11,11 +11,11 @@
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lnstrain.benchmark.activation_trace import trace_activations
 from lnstrain.benchmark.tensor_memory import LiveTensorBytes
 from lnstrain.config.run_config import config_from_dict, load_config
-from lnstrain.estimate.memory import memory_estimate
+from lnstrain.estimate.memory import layer_activation_bytes, memory_estimate
 from lnstrain.testing.distributed import run_distributed
 
 SMALL = {
@@ -81,26 +81,14 @@ def test_estimate_is_within_10_percent_of_a_real_engines_peak():
 def test_1b_activations_at_seq_2048_traced_on_fake_tensors():
     config = load_config("configs/bench/1b_seq2048.yaml", validate=False)
     assert (config.precision.dtype, config.data.seq_len, config.train.activation_checkpointing) == ("bf16", 2048, "none")
-    from lnstrain.model.transformer import Transformer
-    from lnstrain.parallel.groups import ParallelGroups
-
-    tracker = LiveTensorBytes()
-    default_dtype = torch.get_default_dtype()
-    with FakeTensorMode(), tracker:
-        torch.set_default_dtype(torch.bfloat16)  # the engine's bf16 weights
-        try:
-            model = Transformer(config.model, ParallelGroups.single_process())
-        finally:
-            torch.set_default_dtype(default_dtype)
-        weights = tracker.live
-        tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.data.seq_len))
-        tracker.reset_peak()
-        model.loss(tokens, tokens)
+    trace = trace_activations(config)
     estimate = memory_estimate(config, 1).stages[0]
-    assert weights == estimate.weights
+    assert trace.weights == estimate.weights
+    per_layer = layer_activation_bytes(config.model, 2048, config.train.micro_batch_size, 1, False, "none")
+    assert len(trace.kept_per_layer) == config.model.num_layers
+    assert all(abs(kept / per_layer - 1) < 0.01 for kept in trace.kept_per_layer)
     # The CPU's log-softmax upcasts the bf16 logits to an fp32 copy first (CUDA's reads them as it goes),
     # which the estimate does not count: 4·s·b·V bytes, 1 GiB here.
     cpu_only = 4 * config.data.seq_len * config.train.micro_batch_size * config.model.padded_vocab_size(1)
-    measured = tracker.peak - weights
-    assert estimate.activations["none"] / measured == pytest.approx(1.0, abs=0.1)
-    assert estimate.activations["none"] / (measured - cpu_only) == pytest.approx(1.0, abs=0.02)
+    assert estimate.activations["none"] / trace.forward_peak == pytest.approx(1.0, abs=0.1)
+    assert estimate.activations["none"] / (trace.forward_peak - cpu_only) == pytest.approx(1.0, abs=0.02)

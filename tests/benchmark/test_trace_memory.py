@@ -1,0 +1,40 @@
+"""tools/trace_memory.py: the traced per-layer bytes match the estimate's formula, for every
+checkpointing mode, and bad configs stop with exit status 2 before anything is traced."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_tool():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import trace_memory
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return trace_memory
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_traced_layers_match_the_formula(mode, tmp_path, capsys):
+    tool = load_tool()
+    out = tmp_path / "trace.json"
+    status = tool.main(["--config", str(ROOT / "configs/bench/1b_seq2048.yaml"), "--set", "model.num_layers=4",
+                        "--set", f"train.activation_checkpointing={mode}", "--json", str(out)])
+    assert status == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["kept_per_layer_bytes"]) == 4 and doc["activation_checkpointing"] == mode
+    for kept in doc["kept_per_layer_bytes"]:
+        assert kept / doc["estimate"]["per_layer"] == pytest.approx(1.0, abs=0.02)
+    assert doc["forward_peak_bytes"] >= doc["kept_after_forward_bytes"] > 0
+    assert "kept per layer (median)" in capsys.readouterr().out
+
+
+def test_bad_config_stops_before_tracing(capsys):
+    tool = load_tool()
+    status = tool.main(["--config", str(ROOT / "configs/bench/1b_seq2048.yaml"), "--set", "model.hiden_size=8"])
+    assert status == 2 and "did you mean 'hidden_size'" in capsys.readouterr().err

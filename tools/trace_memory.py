@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Trace a config's activation memory on fake tensors and set it beside the --dry-run estimate.
+
+The model is built at one tensor rank and one pipeline stage in the training dtype, without
+allocating anything (FakeTensorMode), and one micro-batch runs forward and backward with the
+configured activation checkpointing. Printed: what one layer keeps for backward (measured and by
+the estimate's formula), what the whole model keeps after the forward, and the forward's peak
+against the estimate's activations. Seconds for any size on a CPU; no GPU needed.
+
+    python tools/trace_memory.py --config configs/bench/1b_seq2048.yaml
+    python tools/trace_memory.py --config configs/7b_lns.yaml --set train.activation_checkpointing=full --json t.json
+
+Parallel layouts divide these figures by the formula (tensor and sequence parallelism, pipeline
+stages); the dry run applies that division. Exit status 2: a bad config or option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lnstrain.benchmark.activation_trace import trace_activations  # noqa: E402
+from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.run_config import load_config  # noqa: E402
+from lnstrain.estimate.memory import GIB, element_bytes, layer_activation_bytes  # noqa: E402
+
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run description (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return parser.parse_args(argv)
+
+
+def estimate_of(config) -> dict[str, float]:
+    """The estimate's figures at one tensor rank and one stage, as traced."""
+    model, s, b = config.model, config.data.seq_len, config.train.micro_batch_size
+    mode, e = config.train.activation_checkpointing, element_bytes(config)
+    per_layer = layer_activation_bytes(model, s, b, 1, False, mode, element_bytes=e)
+    loss = (e + 4) * s * b * model.padded_vocab_size(1)
+    recompute = layer_activation_bytes(model, s, b, 1, False, "none", element_bytes=e) if mode == "full" else 0
+    return {"per_layer": per_layer, "activations": model.num_layers * per_layer + recompute + loss}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides, validate=False)
+        problems = config.model.validate(tensor_parallel=1)
+    except ConfigError as error:
+        problems = error.problems
+    if problems:
+        print(f"trace_memory: {len(problems)} problem(s) in {args.config}:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    trace = trace_activations(config)
+    estimate = estimate_of(config)
+    layers = trace.kept_per_layer
+    typical = sorted(layers)[len(layers) // 2]
+    mode = config.train.activation_checkpointing
+    print(f"{config.run.name}: {config.model.num_layers} layers, micro-batch {config.train.micro_batch_size} × "
+          f"sequence {config.data.seq_len}, {config.precision.dtype}, checkpointing {mode} (one tensor rank, one stage)")
+    print(f"  weights:                    {trace.weights / GIB:8.2f} GiB")
+    print(f"  kept per layer (median):    {typical / MIB:8.1f} MiB   estimate {estimate['per_layer'] / MIB:8.1f} MiB "
+          f"(ratio {estimate['per_layer'] / typical:.3f})")
+    print(f"  kept after the forward:     {trace.kept_after_forward / GIB:8.2f} GiB")
+    if mode == "full":
+        print(f"  forward peak above weights: {trace.forward_peak / GIB:8.2f} GiB   estimate {estimate['activations'] / GIB:8.2f}"
+              " GiB (the estimate adds one layer's recomputation, which happens in backward)")
+    else:
+        print(f"  forward peak above weights: {trace.forward_peak / GIB:8.2f} GiB   estimate {estimate['activations'] / GIB:8.2f}"
+              f" GiB (ratio {estimate['activations'] / trace.forward_peak:.3f}; the CPU's log-softmax adds an fp32 "
+              "copy of the logits that CUDA does not make)")
+    print(f"  peak over forward+backward: {trace.peak / GIB:8.2f} GiB (gradients included)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"config": args.config, "overrides": args.overrides, "activation_checkpointing": mode,
+                       "weights_bytes": trace.weights, "kept_per_layer_bytes": layers,
+                       "kept_after_forward_bytes": trace.kept_after_forward, "forward_peak_bytes": trace.forward_peak,
+                       "peak_bytes": trace.peak, "estimate": estimate}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
