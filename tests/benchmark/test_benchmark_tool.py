@@ -15,18 +15,10 @@ import torch
 from lnstrain.benchmark.report import REQUIRED_FIELDS, RUNNER_FIELDS, SCHEMA
 from lnstrain.estimate.flops import flops_per_token
 from lnstrain.model.presets import model_preset
+from tests.tool_scripts import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "configs/bench/tiny.yaml"
-
-
-def load_tool():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import benchmark
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return benchmark
 
 
 def check_document(doc: dict, runner_names: list[str]) -> None:
@@ -55,7 +47,7 @@ def test_model_runner_in_process_with_mfu_from_given_peak(tmp_path, capsys):
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
     try:
-        doc = load_tool().main(["--config", TINY, "--runner", "model", "--baseline", "none", "--schemes", "lns,pre_ln",
+        doc = load_tool("benchmark").main(["--config", TINY, "--runner", "model", "--baseline", "none", "--schemes", "lns,pre_ln",
                                 "--warmup", "1", "--steps", "2", "--peak-tflops", "1.0", "--threads", "1",
                                 "--json", str(out)])
     finally:
@@ -87,7 +79,7 @@ def test_engine_runner_beside_the_hf_baseline(tmp_path):
 
 def test_bad_options_are_reported_together_before_anything_runs(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        load_tool().main(["--config", TINY, "--schemes", "lns,pre_nl", "--steps", "0", "--set", "train.micro_batch_size=3"])
+        load_tool("benchmark").main(["--config", TINY, "--schemes", "lns,pre_nl", "--steps", "0", "--set", "train.micro_batch_size=3"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unknown norm scheme 'pre_nl'" in err and "--steps >= 1" in err

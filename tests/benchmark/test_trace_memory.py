@@ -2,26 +2,18 @@
 checkpointing mode, and bad configs stop with exit status 2 before anything is traced."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.tool_scripts import load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_tool():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import trace_memory
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return trace_memory
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_traced_layers_match_the_formula(mode, tmp_path, capsys):
-    tool = load_tool()
+    tool = load_tool("trace_memory")
     out = tmp_path / "trace.json"
     status = tool.main(["--config", str(ROOT / "configs/bench/1b_seq2048.yaml"), "--set", "model.num_layers=4",
                         "--set", f"train.activation_checkpointing={mode}", "--json", str(out)])
@@ -35,6 +27,6 @@ def test_traced_layers_match_the_formula(mode, tmp_path, capsys):
 
 
 def test_bad_config_stops_before_tracing(capsys):
-    tool = load_tool()
+    tool = load_tool("trace_memory")
     status = tool.main(["--config", str(ROOT / "configs/bench/1b_seq2048.yaml"), "--set", "model.hiden_size=8"])
     assert status == 2 and "did you mean 'hidden_size'" in capsys.readouterr().err

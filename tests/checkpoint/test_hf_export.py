@@ -21,6 +21,7 @@ from lnstrain.checkpoint.hf_llama import export_problems, to_hf_state_dict
 from lnstrain.checkpoint.sharding import StateDictMismatchError, apply_full_state_dict
 from lnstrain.model import ModelConfig, Transformer
 from lnstrain.parallel.groups import ParallelGroups
+from tests.tool_scripts import load_tool
 
 LOGIT_TOLERANCE = 1e-4
 def tiny_cfg(**overrides) -> ModelConfig:
@@ -235,9 +236,6 @@ def test_init_from_accepts_consolidated_pt_and_hf(tmp_path):
 
 
 def test_convert_from_hf_tool_writes_an_init_file(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
     from lnstrain.checkpoint.consolidated_file import load_consolidated
     from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG
 
@@ -245,10 +243,7 @@ def test_convert_from_hf_tool_writes_an_init_file(tmp_path, capsys):
                    rope_theta=10000.0)
     original = perturbed_model(cfg).state_dict()
     save_hf_checkpoint(original, cfg, tmp_path / "hf", dtype="fp32")
-    tool_path = Path(__file__).resolve().parents[2] / "tools" / "convert_from_hf.py"
-    spec = importlib.util.spec_from_file_location("convert_from_hf", tool_path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("convert_from_hf")
     output = tmp_path / "init.safetensors"
     args = ["--hf", str(tmp_path / "hf"), "--config", str(TINY_RUN_CONFIG), "--output", str(output)]
     assert tool.main(args + ["--unfold-lns"]) == 0

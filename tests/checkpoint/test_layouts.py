@@ -10,7 +10,6 @@ weights), whatever the split; the vocabulary is padded differently at tensor siz
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
 from tests.checkpoint.test_hf_export import perturbed_model, reference_llama_logits, tokens
+from tests.tool_scripts import load_tool
 
 SHAPE = ["model.num_layers=4", "model.vocab_size=200", "model.make_vocab_size_divisible_by=48",
          "model.num_heads=4", "model.num_kv_heads=2"]
@@ -29,7 +29,6 @@ CASES = {
     "tp2_pp2_tied": (2, 2, ["model.tie_embeddings=true"]),
     "tp2_dp2_zero0_replicated_kv": (2, 1, ["model.num_kv_heads=1", "parallel.zero_stage=0"]),
 }
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(corpus: TinyCorpus, directory: Path, case: str, world_size: int):
@@ -57,13 +56,6 @@ def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path
         manager = CheckpointManager(config, world_size, (groups.tp_size, groups.pp_size, groups.dp_size), None, None)
         saved[case] = str(manager.save(training.engine, TrainingPosition(step=1, consumed_samples=8)))
     return saved
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +90,14 @@ def test_tools_consolidate_and_export_a_tp2_pp2_checkpoint(saved_checkpoints, tm
 
     run_dir = saved_checkpoints["tp2_pp2"].parents[1]  # <output>/<run name>/checkpoints/global_step1
     output = tmp_path / "model.safetensors"
-    assert _tool("consolidate_checkpoint").main(["--checkpoint", str(run_dir), "--output", str(output)]) == 0
+    assert load_tool("consolidate_checkpoint").main(["--checkpoint", str(run_dir), "--output", str(output)]) == 0
     config, state = load_consolidated(output)
     assert config.parallel.tensor == 2 and config.model.num_layers == 4
     model = perturbed_model(config.model)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
     hf_dir = tmp_path / "hf"
-    assert _tool("convert_to_hf").main(["--checkpoint", str(run_dir), "--output", str(hf_dir), "--dtype", "fp32"]) == 0
+    assert load_tool("convert_to_hf").main(["--checkpoint", str(run_dir), "--output", str(hf_dir), "--dtype", "fp32"]) == 0
     ids = tokens(config.model)
     with torch.no_grad():
         ours = model(ids)[..., :config.model.vocab_size]
@@ -123,7 +115,7 @@ def test_convert_to_hf_refuses_post_ln_checkpoint(tmp_path, capsys):
     config.save(step_dir / "config.yaml")
     (step_dir / METADATA_FILE).write_text("{}")
     (step_dir / COMPLETE_MARKER).write_text("")
-    assert _tool("convert_to_hf").main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "hf")]) == 2
+    assert load_tool("convert_to_hf").main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "hf")]) == 2
     assert "model.norm_scheme=post_ln cannot be exported as a Hugging Face LLaMA" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 

@@ -2,13 +2,14 @@
 independent writer of Megatron's on-disk format (struct packing from the format description only)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
 import sys
 
 import pytest
+
+from tests.tool_scripts import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
@@ -64,14 +65,6 @@ def read_megatron(prefix: str) -> tuple[str, list[list[int]], list[int]]:
         binary = f.read()
     seqs = [list(struct.unpack_from(f"<{s}{fmt}", binary, p)) for s, p in zip(sizes, pointers)]
     return dtype, seqs, doc_idx
-
-
-def load_tool(name: str):
-    """Import ``tools/<name>.py`` as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"lnstrain_tool_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")
