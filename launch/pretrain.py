@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
 
 EXIT_BAD_CONFIG = 2
@@ -31,8 +31,7 @@ EXIT_BAD_CONFIG = 2
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    add_override_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the memory and throughput estimate and exit without starting anything")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",

@@ -26,6 +26,7 @@ from lnstrain.analysis.depth_analysis import DEFAULT_NEAR_IDENTITY_THRESHOLD, De
 from lnstrain.analysis.eval_data import validation_batches  # noqa: E402
 from lnstrain.analysis.model_loading import load_for_analysis  # noqa: E402
 from lnstrain.analysis.report import read_analyses, write_report  # noqa: E402
+from lnstrain.config.loader import add_override_argument  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,8 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--checkpoint", help="checkpoint directory of any parallel layout")
     source.add_argument("--state-dict", help="torch.save'd single-process state dict (with --config)")
     source.add_argument("--config", help="the run's YAML config (with --state-dict)")
-    source.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. --set model.norm_scheme=lns (repeatable)")
+    add_override_argument(source, "model.norm_scheme=lns")
     p.add_argument("--compare", nargs="+", metavar="RUN",
                    help="runs to put side by side: analysis folders/JSON files, or checkpoints (need --data)")
     p.add_argument("--names", nargs="+", help="display names of the runs (default: saved names, or run.name)")

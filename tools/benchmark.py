@@ -39,7 +39,7 @@ from lnstrain.benchmark.runners import (EngineRunner, ModelRunner, RunnerSpec, S
                                         synthetic_micro_batches, with_norm_scheme)
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
 from lnstrain.benchmark.timing import paired_ratio, summarize  # noqa: E402
-from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import Config, load_config  # noqa: E402
 from lnstrain.estimate.flops import flops_per_token  # noqa: E402
 from lnstrain.estimate.validation import split_file_problems  # noqa: E402
@@ -51,8 +51,7 @@ EXIT_BAD_INPUT = 2
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML); data files are not needed")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set train.compile=true (repeatable)")
+    add_override_argument(parser, "train.compile=true")
     parser.add_argument("--runner", choices=("engine", "model"), default="engine",
                         help="lnstrain side: the DeepSpeed training engine (default) or the bare model with "
                              "torch AdamW, driven exactly like the baseline")

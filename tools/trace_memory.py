@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.benchmark.activation_trace import trace_activations  # noqa: E402
-from lnstrain.config.loader import ConfigError  # noqa: E402
+from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
 from lnstrain.estimate.memory import GIB, element_bytes, layer_activation_bytes  # noqa: E402
 
@@ -34,8 +34,7 @@ MIB = 2**20
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable)")
+    add_override_argument(parser, "train.activation_checkpointing=full")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser.parse_args(argv)
 

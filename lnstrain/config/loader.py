@@ -219,6 +219,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return [part for part in key.strip().split(".") if part], value
 
 
+def add_override_argument(parser: typing.Any, example: str = "optim.lr=3e-4") -> None:
+    """The ``--set KEY=VALUE`` option (repeatable, collected in ``overrides``) that ``apply_overrides`` reads;
+    ``parser`` is an argparse parser or argument group."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config key, e.g. --set {example} (repeatable; the value is read as YAML)")
+
+
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     """Apply ``--set`` overrides to raw config data (before typing, so all checks still run)."""
     data = dict(data)
