@@ -57,11 +57,11 @@ def test_consolidated_state_dict_for_every_zero_stage(tiny_corpus, tmp_path):
 
     # ZeRO-3 writes no mp_rank_00_model_states.pt; the tool goes through the same any-layout reader
     from lnstrain.checkpoint.consolidated_file import load_consolidated
-    from tests.checkpoint.test_layouts import _tool
+    from tests.tool_scripts import load_tool
 
     output = tmp_path / "zero3.safetensors"
-    assert _tool("consolidate_checkpoint").main(["--checkpoint", str(tmp_path / "zero3" / "tiny"),
-                                                 "--output", str(output)]) == 0
+    assert load_tool("consolidate_checkpoint").main(["--checkpoint", str(tmp_path / "zero3" / "tiny"),
+                                                     "--output", str(output)]) == 0
     tool_config, tool_state = load_consolidated(output)
     assert tool_config.parallel.zero_stage == 3
     assert sorted(tool_state) == sorted(results[3]["state"])
