@@ -44,6 +44,7 @@ from lnstrain.config.run_config import Config, load_config  # noqa: E402
 from lnstrain.estimate.flops import flops_per_token  # noqa: E402
 from lnstrain.estimate.validation import split_file_problems  # noqa: E402
 from lnstrain.model.config import NormScheme  # noqa: E402
+from lnstrain.parallel.groups import collective_device  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 
@@ -155,7 +156,7 @@ def slowest_rank(seconds: list[list[float]]) -> list[list[float]]:
     """Each step's time on the slowest rank (the step is as slow as its slowest rank)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return seconds
-    table = torch.tensor(seconds, dtype=torch.float64)
+    table = torch.tensor(seconds, dtype=torch.float64, device=collective_device())
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     return table.tolist()
 

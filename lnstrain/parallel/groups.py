@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,16 @@ def layout_problems(world_size: int, tensor: int, pipeline: int) -> list[str]:
             f"({tensor} × {pipeline} = {tensor * pipeline}); launch a multiple of {tensor * pipeline} "
             f"ranks or change the layout")
     return problems
+
+
+def collective_device(group: ProcessGroup = None) -> torch.device:
+    """Where a tensor made for a collective on ``group`` must live: the current CUDA device when the
+    group's backend is NCCL alone (it refuses CPU tensors, "No backend type associated with device
+    type cpu"), else the CPU (gloo, or a ``cpu:gloo,cuda:nccl`` group)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_matches_deepspeed_topology(layout: RankLayout) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from lnstrain.model.config import ModelConfig
 from lnstrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from lnstrain.parallel.groups import collective_device
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -63,10 +64,11 @@ def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
     if not micro_batches:
         raise ValueError("train/eval step called with no micro-batches")
     split = [split_tokens(batch) for batch in micro_batches]
-    counted = torch.tensor([float(sum(mask.sum().item() for _, _, mask in split))], dtype=torch.float64)
+    total = float(sum(mask.sum().item() for _, _, mask in split))
     if groups.dp_size > 1:
+        counted = torch.tensor([total], dtype=torch.float64, device=collective_device(groups.dp_group))
         dist.all_reduce(counted, group=groups.dp_group)
-    total = counted.item()
+        total = counted.item()
     scale = len(micro_batches) * groups.dp_size / total if total > 0 else 0.0
     weighted = [WeightedMicroBatch(inputs.to(device), labels.to(device), (mask * scale).to(device))
                 for inputs, labels, mask in split]

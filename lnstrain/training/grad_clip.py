@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lnstrain.parallel.groups import collective_device
+
 
 def counts_on_this_rank(param: torch.Tensor, tp_rank: int) -> bool:
     if getattr(param, "ds_pipe_replicated", False):
@@ -31,9 +33,13 @@ def global_grad_norm(params: list[torch.Tensor], tp_rank: int, model_parallel_gr
     """L2 norm of the whole model's gradient (every stage and tensor shard) from this rank's part."""
     squares = [p.grad.detach().float().pow(2).sum() for p in params
                if p.grad is not None and counts_on_this_rank(p, tp_rank)]
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    reduced = model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1
+    if squares:
+        total = torch.stack(squares).sum()
+    else:  # a rank with nothing to count still joins the all-reduce, with a tensor its backend takes
+        total = torch.zeros((), device=collective_device(model_parallel_group) if reduced else "cpu")
     total = total.reshape(1).to(torch.float64)
-    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+    if reduced:
         dist.all_reduce(total, group=model_parallel_group)
     return math.sqrt(total.item())
 
