@@ -1,4 +1,5 @@
-"""Run a function on N CPU ranks with gloo: the one helper every multi-rank test goes through.
+"""Run a function on N ranks (CPU with gloo, or one GPU per rank with NCCL): the one helper every
+multi-rank test goes through.
 
 Processes are spawned (never forked: a forked child inherits the parent's threads and torch state,
 which deadlocks gloo), find each other on a free local port, log with a rank prefix, and are all
@@ -36,7 +37,7 @@ def distributed_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def _rank_main(fn: RankFunction, rank: int, world_size: int, port: int, args: tuple,
-               results: "mp.Queue", threads_per_rank: int) -> None:
+               results: "mp.Queue", threads_per_rank: int, backend: str) -> None:
     os.environ.update(distributed_env(rank, world_size, port))
     logging.basicConfig(level=logging.INFO, force=True, stream=sys.stderr,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -45,7 +46,9 @@ def _rank_main(fn: RankFunction, rank: int, world_size: int, port: int, args: tu
 
     torch.set_num_threads(threads_per_rank)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # NCCL needs each rank on its own device before the first collective
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensor data into the bytes; the queue's own pickler would share it
         # through memory that disappears when this process exits.
@@ -57,18 +60,22 @@ def _rank_main(fn: RankFunction, rank: int, world_size: int, port: int, args: tu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: RankFunction, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+def run_distributed(fn: RankFunction, world_size: int, *args: Any, timeout_s: float = 300.0,
+                    backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results by rank.
 
     ``fn`` must be importable (defined at module level) and its arguments and result picklable.
-    Raises ``RuntimeError`` with the failing rank's traceback, or ``TimeoutError``.
+    ``backend`` ``nccl`` puts rank r on CUDA device r (one GPU per rank). Raises ``RuntimeError``
+    with the failing rank's traceback, or ``TimeoutError``.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (got {backend!r})")
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     processes = [context.Process(target=_rank_main, daemon=False,
-                                 args=(fn, rank, world_size, port, args, results, threads_per_rank))
+                                 args=(fn, rank, world_size, port, args, results, threads_per_rank, backend))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -1,0 +1,163 @@
+"""The kernels a training step runs on the device: which one is chosen, and that it computes the formula.
+
+* attention: SDPA on the model's 16-bit tensors picks a flash-style kernel by itself (flash, or cuDNN's
+  where torch prefers it), with and without grouped-query attention, and lnstrain's ``Attention``
+  (fused QKV, rotary, causal) on the flash kernel matches the same module's computation with SDPA's
+  math kernel in fp64, forward and backward, and its attention core the causal softmax formula;
+* RMSNorm with the LNS factor folded into its gain takes apex's or torch's fused kernel on CUDA
+  (``kernels.rms_norm`` on the CPU), forward and backward against the plain formula in fp64;
+* AdamW built by ``build_optimizer`` is the fused kernel, and five steps of it match torch's
+  single-tensor AdamW in fp64.
+
+Tolerances are relative L2 errors against fp64: bf16 arithmetic lands between 1e-3 and 1e-2 (8
+significant bits), fp32 far under 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lnstrain.model import Transformer, init_weights, model_preset
+from lnstrain.model.attention import Attention
+from lnstrain.model.norms import TORCH_FUSED_RMS_NORM_ON_CUDA, RMSNorm, fused_rms_norm_affine
+from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.training.config import OptimConfig
+from lnstrain.training.optimizer import build_optimizer
+from tests.gpu.helpers import OpRecorder, relative_error
+
+pytestmark = pytest.mark.gpu
+
+SINGLE = ParallelGroups.single_process()
+RELATIVE_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+ATTENTION_BF16_TOLERANCE = 2e-2
+"""The attention module rounds to bf16 after each of its stages (QKV projection, rotary, SDPA, output
+projection, and each gradient on the way back): 3e-3 to 6e-3 measured on the CPU, where a wrong mask,
+rotation or head grouping is off by order 1."""
+
+
+FUSED_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")
+"""The flash-style kernels SDPA may pick by itself for 16-bit causal attention (never the math or the
+memory-efficient kernel, which are slower and keep more)."""
+
+
+def attention_step(attention: Attention, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Output, input gradient and the aten ops run by one forward and backward (parameter grads accumulate)."""
+    x = x.to(attention.o_proj.weight.device, copy=True).requires_grad_()
+    with OpRecorder() as ops:
+        out = attention(x)
+        out.backward(grad.to(out.device))
+    return out, x.grad, ops.names
+
+
+def causal_attention_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(d) + causal mask) v, each key/value head shared by its group of query heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    seq = q.shape[-2]
+    mask = torch.full((seq, seq), float("-inf"), dtype=q.dtype).triu(1)
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + mask, dim=-1) @ v
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_attention_takes_flash_and_matches_the_math_kernel_in_fp64(device, kv_heads):
+    cfg = model_preset("tiny", hidden_size=512, num_heads=8, num_kv_heads=kv_heads, max_seq_len=256)
+    attention = Attention(cfg, SINGLE)
+    init_weights(attention, cfg)
+    attention = attention.to(device=device, dtype=torch.bfloat16)  # what DeepSpeed's bf16 engine runs
+    reference = copy.deepcopy(attention).to(device="cpu", dtype=torch.float64)  # the same bf16 weights, upcast
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 256, cfg.hidden_size, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(2, 256, cfg.hidden_size, generator=generator).to(torch.bfloat16)
+
+    *_, chosen = attention_step(attention, x, grad)  # SDPA's own choice, as in training
+    assert any(kernel in name for name in chosen for kernel in FUSED_ATTENTION), sorted(set(chosen))
+    attention.zero_grad(set_to_none=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out, x_grad, ops = attention_step(attention, x, grad)
+    flash = [name for name in ops if "_scaled_dot_product_flash_attention" in name]
+    assert any("backward" not in name for name in flash) and any("backward" in name for name in flash), sorted(set(ops))
+
+    q, k, v = (torch.randn(2, heads, 256, cfg.head_dim, generator=generator).to(torch.bfloat16)
+               for heads in (cfg.num_heads, kv_heads, kv_heads))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        core = attention.core(*(t.to(device) for t in (q, k, v)))
+    assert relative_error(core, causal_attention_formula(q.double(), k.double(), v.double())) <= RELATIVE_TOLERANCE[torch.bfloat16]
+
+    x_reference = x.double().requires_grad_()
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = reference(x_reference)
+        expected.backward(grad.double())
+    tolerance = ATTENTION_BF16_TOLERANCE
+    assert relative_error(out, expected) <= tolerance
+    assert relative_error(x_grad, x_reference.grad) <= tolerance
+    for (name, param), (_, ref_param) in zip(attention.named_parameters(), reference.named_parameters()):
+        assert relative_error(param.grad, ref_param.grad) <= tolerance, name
+
+
+def expected_rms_norm_kernel(device: torch.device) -> str:
+    """What ``RMSNorm`` should run on ``device`` (same-dtype input and weight)."""
+    if device.type != "cuda":
+        return "lnstrain"
+    if fused_rms_norm_affine is not None:
+        return "apex"
+    return "torch-fused" if TORCH_FUSED_RMS_NORM_ON_CUDA else "none"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rms_norm_takes_a_fused_kernel_with_the_lns_factor_folded_in(device, dtype):
+    hidden, eps, factor = 1024, 1e-5, 3 ** -0.5  # layer 3's LNS factor
+    generator = torch.Generator().manual_seed(1)
+    weight = 1 + 0.2 * torch.randn(hidden, generator=generator)
+    x = (3 * torch.randn(4, 128, hidden, generator=generator) + 0.5).to(dtype)
+    grad = torch.randn(4, 128, hidden, generator=generator).to(dtype)
+    norm = RMSNorm(hidden, eps, output_scale=factor)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    norm = norm.to(device=device, dtype=dtype)
+
+    kernel = expected_rms_norm_kernel(device)
+    assert kernel != "none", "CUDA without apex and without torch's fused RMSNorm: RMSNorm would run unfused"
+    x_device = x.to(device, copy=True).requires_grad_()
+    with OpRecorder() as forward:
+        y = norm(x_device)
+    with OpRecorder() as backward:
+        y.backward(grad.to(device))
+    if kernel == "torch-fused":
+        assert "aten::_fused_rms_norm" in forward.names and "aten::_fused_rms_norm_backward" in backward.names
+    elif kernel == "lnstrain":  # kernels.rms_norm: its own forward (rsqrt of the mean square), never torch's
+        assert "aten::rsqrt" in forward.names and not forward.any_contains("_fused_rms_norm")
+
+    x64, w64 = x.double().requires_grad_(), norm.weight.detach().double().cpu().requires_grad_()
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (w64 * factor)
+    expected.backward(grad.double())
+    tolerance = RELATIVE_TOLERANCE[dtype]
+    assert relative_error(y, expected) <= tolerance
+    assert relative_error(x_device.grad, x64.grad) <= tolerance
+    assert relative_error(norm.weight.grad, w64.grad) <= tolerance
+
+
+def test_adamw_is_fused_on_the_device_and_matches_the_single_tensor_reference(device):
+    cfg = model_preset("tiny", num_layers=2)
+    model = Transformer(cfg, SINGLE).to(device)
+    optim = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, beta2=0.95)
+    optimizer = build_optimizer(model, optim)
+    assert all(group.get("fused") for group in optimizer.param_groups), [g.get("fused") for g in optimizer.param_groups]
+
+    copies = {param: param.detach().cpu().double().requires_grad_() for param in model.parameters()}
+    reference = torch.optim.AdamW(
+        [{"params": [copies[p] for p in group["params"]], "weight_decay": group["weight_decay"]}
+         for group in optimizer.param_groups],
+        lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False, fused=False)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        for param, copy_ in copies.items():
+            gradient = torch.randn(param.shape, generator=generator, dtype=torch.float64) * 1e-2
+            param.grad, copy_.grad = gradient.to(device=device, dtype=param.dtype), gradient
+        optimizer.step()
+        reference.step()
+    for name, param in model.named_parameters():
+        assert relative_error(param, copies[param]) <= RELATIVE_TOLERANCE[torch.float32], name
