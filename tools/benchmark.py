@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from lnstrain.benchmark.hf_baseline import BaselineUnavailable, HFRunner, transformers_version  # noqa: E402
 from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak, tensor_tracker  # noqa: E402
 from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
+from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
                                        shape)
 from lnstrain.benchmark.runners import (EngineRunner, ModelRunner, RunnerSpec, StepRunner,  # noqa: E402
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch intra-op threads (default: torch's choice, one per core)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile this many more steps of the first runner (torch.profiler) "
+                             "and report the operators/kernels by self time")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON here (rank 0)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -96,6 +100,8 @@ def check_options(args: argparse.Namespace, config: Config, world_size: int) -> 
     problems, _missing_data = split_file_problems(config, world_size)
     if args.warmup < 0 or args.steps < 1:
         problems.append(f"--warmup must be >= 0 and --steps >= 1 (got {args.warmup}, {args.steps})")
+    if args.profile_steps < 0:
+        problems.append(f"--profile-steps must be >= 0 (got {args.profile_steps})")
     if args.threads is not None and args.threads < 1:
         problems.append(f"--threads must be >= 1 (got {args.threads})")
     schemes = args.schemes.split(",") if args.schemes else [NormScheme(config.model.norm_scheme).value]
@@ -203,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         runners.append((spec, runner))
     timed = time_interleaved([runner for _, runner in runners], args.steps)
     seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]
+    profiled = profile_steps(runners[0][1].step, args.profile_steps, device) if args.profile_steps else None
     on_cpu = device.type == "cpu"
 
     flops = flops_per_token(config.model, config.data.seq_len)
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": memory,
         "notes": notes,
     }
+    if profiled is not None:
+        doc["profile"] = profiled
     if rank == 0:
         print(format_report(doc))
         if args.json:

@@ -3,7 +3,7 @@
 Schema ``lnstrain.benchmark/1`` (``REQUIRED_FIELDS`` lists the keys every document has): the
 command, environment and shape, the FLOP convention and peak, then per runner the step-time
 summary, rates, phase breakdown and last loss; the paired comparisons against the first runner;
-and the memory peak beside the estimate.
+and the memory peak beside the estimate; with ``--profile-steps``, ``profile`` (``lnstrain.benchmark.profile``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lnstrain.benchmark.profile import format_profile
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, FlopsPerToken
 
@@ -115,5 +116,7 @@ def format_report(doc: dict[str, Any]) -> str:
         ratio = mem["estimate_over_measured"]
         lines.append(f"memory: measured {measured / 2**30:.2f} GiB ({kind}), estimate {mem['estimated_bytes'] / 2**30:.2f} GiB"
                      + (f" (estimate/measured {ratio:.3f})" if ratio is not None else f" ({mem['note']})"))
+    if doc.get("profile"):
+        lines += format_profile(doc["profile"])
     lines += [f"note: {note}" for note in doc.get("notes", [])]
     return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""tools/gpu_check.py and launch/gpu_check.sh on the CPU: bad stages refused, calls merged, items that
+would overrun the time limit recorded as not started, and the dry run end to end (the GPU tests' CPU
+mode and every benchmark on the tiny shape) into one JSON and one Markdown table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lnstrain.benchmark.gpu_summary import BENCHMARKS, SCHEMA
+from tests.benchmark.test_gpu_summary import full_document
+from tests.tool_scripts import load_tool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_unknown_stage_is_refused_before_anything_runs(tmp_path, capsys):
+    assert load_tool("gpu_check").main(["--only", "tests,bench", "--out", str(tmp_path)]) == 2
+    assert "unknown stage(s) ['bench']" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_summarize_merges_the_documents_of_several_calls(tmp_path, capsys):
+    first, second = full_document(mfu=0.40), full_document(mfu=0.55)
+    del first["benchmarks"]["1b_lns_vs_pre_ln"]
+    paths = []
+    for index, doc in enumerate((first, second)):
+        paths.append(tmp_path / f"call{index}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert load_tool("gpu_check").main(["--summarize", *map(str, paths), "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "gpu_check.json").read_text())
+    assert merged["benchmarks"]["1b_eager"]["report"]["runners"][0]["throughput"]["mfu"] == 0.55
+    assert any(row["source"] == "1b_lns_vs_pre_ln" and row["status"] == "met" for row in merged["summary"])
+    assert (tmp_path / "merged" / "gpu_check.md").read_text() in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert load_tool("gpu_check").main(["--summarize", str(tmp_path / "bad.json"), "--out", str(tmp_path)]) == 2
+
+
+def test_items_that_cannot_finish_in_time_are_not_started(tmp_path):
+    load_tool("gpu_check").main(["--only", "layers7b", "--time-limit-s", "30", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["environment"]["torch"] and doc["benchmarks"] == {}  # 90 s needed per 7B run, 30 s given
+    assert doc["stages"]["layers7b"]["status"] == "incomplete"
+    assert "7b_width_2_layers, 7b_width_4_layers (run --only layers7b again)" in doc["stages"]["layers7b"]["note"]
+    assert "Stages not completed" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(out)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["schema"] == SCHEMA and doc["dry_run"] is True
+    assert doc["tests"]["exit_code"] == 0 and doc["tests"]["counts"]["passed"] >= 5
+    assert doc["tests"]["counts"]["failed"] == doc["tests"]["counts"]["skipped"] == 0
+    assert set(doc["benchmarks"]) == set(BENCHMARKS)
+    for name, run in doc["benchmarks"].items():
+        assert run["exit_code"] == 0 and run["report"]["schema"] == "lnstrain.benchmark/1", (name, run["output_tail"])
+    assert doc["benchmarks"]["1b_eager"]["report"]["profile"]["rows"]
+    assert all(stage["status"] == "done" for stage in doc["stages"].values())
+    statuses = {row["source"]: row["status"] for row in doc["summary"]}
+    assert "not measured" not in statuses.values(), doc["summary"]  # every figure was computed
+    markdown = (out / "gpu_check.md").read_text()
+    assert "DRY RUN" in markdown and markdown in completed.stdout

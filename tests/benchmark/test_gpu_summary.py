@@ -1,0 +1,173 @@
+"""The GPU check's summary on synthetic benchmark reports: every goal read from the right place,
+met and missed, the per-layer projection by hand, failures and merges of several calls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from lnstrain.benchmark.gpu_summary import (SCHEMA, layer_projection, lns_ratio, merge_documents, summary_rows,
+                                            to_markdown)
+
+PEAK = 989.0
+
+
+def runner(name: str, kind: str, scheme: str, median_s: float, mfu: float | None = None, tokens: int = 8192,
+           flops_per_token: float = 8.8e9) -> dict:
+    tflops = flops_per_token * tokens / median_s / 1e12
+    return {"name": name, "kind": kind, "norm_scheme": scheme, "step_time_s": {"median": median_s},
+            "throughput": {"tokens_per_s": tokens / median_s, "tflops_per_device": tflops,
+                           "mfu": tflops / PEAK if mfu is None else mfu}}
+
+
+def report(runners: list[dict], comparisons: list[dict] | None = None, memory: dict | None = None, num_layers: int = 24,
+           tokens: int = 8192, flops_per_token: float = 8.8e9, notes: list[str] | None = None) -> dict:
+    return {"schema": "lnstrain.benchmark/1", "runners": runners, "comparisons": comparisons or [],
+            "memory": memory, "notes": notes or [], "peak": {"tflops": PEAK},
+            "flops": {"per_token_noncausal": flops_per_token},
+            "shape": {"tokens_per_step": tokens, "model": {"num_layers": num_layers}}}
+
+
+def comparison(runner_name: str, reference: str, median: float, low: float, high: float, pairs: int = 30) -> dict:
+    return {"runner": runner_name, "reference": reference, "median_ratio": median, "ci95": [low, high], "pairs": pairs}
+
+
+def bench(report_doc: dict | None, exit_code: int = 0) -> dict:
+    return {"command": "python tools/benchmark.py ...", "exit_code": exit_code, "duration_s": 30.0, "report": report_doc}
+
+
+def memory(ratio: float, measured: int = 30 * 2**30) -> dict:
+    return {"estimated_bytes": int(ratio * measured), "peak_allocated_bytes": measured, "estimate_over_measured": ratio}
+
+
+ENGINE = "lnstrain-engine[lns]"
+
+
+def full_document(mfu: float = 0.52, hf_speedup: float = 1.3, lns_ci=(0.996, 1.004), memory_ratio: float = 0.97) -> dict:
+    pre_ln = "lnstrain-engine[pre_ln]"
+    benchmarks = {
+        "1b_eager": bench(report([runner(ENGINE, "engine", "lns", 0.15, mfu)], memory=memory(memory_ratio))),
+        "1b_compiled": bench(report([runner(ENGINE, "engine", "lns", 0.14, mfu + 0.03)])),
+        "1b_vs_hf_model": bench(report([runner("lnstrain-model[lns]", "model", "lns", 0.15), runner("hf-llama", "hf", "pre_ln", 0.2)],
+                                       [comparison("hf-llama", "lnstrain-model[lns]", hf_speedup, hf_speedup - 0.05, hf_speedup + 0.05)])),
+        # LNS first: the comparison is Pre-LN / LNS
+        "1b_lns_vs_pre_ln": bench(report([runner(ENGINE, "engine", "lns", 0.15), runner(pre_ln, "engine", "pre_ln", 0.15)],
+                                         [comparison(pre_ln, ENGINE, 1.0, 1 / lns_ci[1], 1 / lns_ci[0], 60)])),
+        "7b_width_2_layers": bench(report([runner(ENGINE, "engine", "lns", 0.10)], num_layers=2, flops_per_token=2.0e9)),
+        "7b_width_4_layers": bench(report([runner(ENGINE, "engine", "lns", 0.16)], num_layers=4, flops_per_token=3.0e9)),
+        "1b_memory_full": bench(report([runner(ENGINE, "engine", "lns", 0.2)], memory=memory(1.05))),
+    }
+    tests = {"command": "python -m pytest -m gpu tests/gpu", "exit_code": 0, "duration_s": 150.0,
+             "counts": {"passed": 14, "failed": 0, "errors": 0, "skipped": 0}, "failures": []}
+    return {"schema": SCHEMA, "dry_run": False, "stages": {}, "environment": {"device_name": "NVIDIA H100 80GB HBM3",
+            "torch": "2.11.0+cu130", "cuda": "13.0", "deepspeed": "0.19.8"}, "tests": tests, "benchmarks": benchmarks}
+
+
+def rows_by_source(doc: dict) -> dict[str, list]:
+    rows: dict[str, list] = {}
+    for row in summary_rows(doc):
+        rows.setdefault(row.source, []).append(row)
+    return rows
+
+
+def test_every_goal_met_reads_met():
+    rows = rows_by_source(full_document())
+    assert [r.status for r in rows["tests"]] == ["met"]
+    assert rows["1b_eager"][0].status == "met" and "MFU 52.0%" in rows["1b_eager"][0].measured
+    assert rows["1b_compiled"][0].status == "met"
+    assert rows["1b_vs_hf_model"][0].status == "met" and rows["1b_vs_hf_model"][0].measured.startswith("1.300x")
+    assert rows["1b_lns_vs_pre_ln"][0].status == "met" and "0.9960-1.0040" in rows["1b_lns_vs_pre_ln"][0].measured
+    assert [r.status for r in rows["1b_eager"][1:]] == ["met"]  # memory, checkpointing none
+    assert rows["1b_memory_full"][0].status == "met"
+    assert rows["7b_width_2_layers, 7b_width_4_layers"][0].status == "info"
+    assert "1b_memory_selective" not in rows and "1b_vs_hf_engine" not in rows  # optional, not run: no row
+
+
+@pytest.mark.parametrize("change, source, index", [
+    (dict(mfu=0.45), "1b_eager", 0),
+    (dict(hf_speedup=1.1), "1b_vs_hf_model", 0),
+    (dict(lns_ci=(0.985, 1.004)), "1b_lns_vs_pre_ln", 0),
+    (dict(lns_ci=(0.995, 1.012)), "1b_lns_vs_pre_ln", 0),
+    (dict(memory_ratio=0.85), "1b_eager", 1),
+    (dict(memory_ratio=1.15), "1b_eager", 1),
+])
+def test_each_goal_can_be_missed(change, source, index):
+    assert rows_by_source(full_document(**change))[source][index].status == "missed"
+
+
+def test_lns_ratio_is_read_in_either_order():
+    lns_first = report([runner(ENGINE, "engine", "lns", 0.15), runner("p", "engine", "pre_ln", 0.15)],
+                       [comparison("p", ENGINE, 1.25, 1.0, 2.0)])
+    median, ci, pairs = lns_ratio(lns_first)
+    assert median == pytest.approx(0.8) and ci == pytest.approx((0.5, 1.0)) and pairs == 30
+    pre_ln_first = report([runner("p", "engine", "pre_ln", 0.15), runner(ENGINE, "engine", "lns", 0.15)],
+                          [comparison(ENGINE, "p", 1.002, 0.999, 1.005)])
+    assert lns_ratio(pre_ln_first) == (1.002, (0.999, 1.005), 30)
+    assert lns_ratio(report([runner(ENGINE, "engine", "lns", 0.1)])) is None
+
+
+def test_layer_projection_by_hand():
+    doc = full_document()
+    shallow, deep = (doc["benchmarks"][name]["report"] for name in ("7b_width_2_layers", "7b_width_4_layers"))
+    projection = layer_projection(shallow, deep)
+    # two more layers cost 0.06 s and 1e9 FLOPs per token: 0.03 s and 0.5e9 per layer
+    assert projection.layer_seconds == pytest.approx(0.03)
+    assert projection.layer_tflops == pytest.approx(0.5e9 * 8192 / 0.03 / 1e12)
+    assert projection.layer_mfu == pytest.approx(projection.layer_tflops / PEAK)
+    # 32 layers: the 2-layer step plus 30 layers; FLOPs 2e9 + 30 * 0.5e9 per token
+    assert projection.projected_step_seconds == pytest.approx(0.10 + 30 * 0.03)
+    assert projection.projected_tokens_per_s == pytest.approx(8192 / 1.0)
+    assert projection.projected_mfu == pytest.approx(17e9 * 8192 / 1.0 / 1e12 / PEAK)
+    with pytest.raises(ValueError, match="more layers"):
+        layer_projection(deep, shallow)
+    slower_shallow = copy.deepcopy(shallow)
+    slower_shallow["runners"][0]["step_time_s"]["median"] = 0.2
+    with pytest.raises(ValueError, match="not slower"):
+        layer_projection(slower_shallow, deep)
+
+
+def test_failed_skipped_and_missing_runs_are_not_measured():
+    doc = full_document()
+    doc["benchmarks"]["1b_compiled"] = bench(None, exit_code=124)
+    doc["benchmarks"]["1b_memory_selective"] = bench(None, exit_code=1)
+    del doc["benchmarks"]["7b_width_4_layers"]
+    doc["tests"]["counts"]["skipped"] = 14
+    doc["tests"]["counts"]["passed"] = 0
+    rows = rows_by_source(doc)
+    assert rows["1b_compiled"][0].status == "not measured" and "exit 124" in rows["1b_compiled"][0].measured
+    assert rows["1b_memory_selective"][0].status == "not measured"
+    assert rows["7b_width_4_layers"][0].measured == "not run"
+    assert rows["tests"][0].status == "missed"  # a GPU run that skipped its tests did not test the GPU
+    hf_without_baseline = report([runner("lnstrain-model[lns]", "model", "lns", 0.15)],
+                                 notes=["Hugging Face baseline skipped: transformers is not installed"])
+    doc["benchmarks"]["1b_vs_hf_model"] = bench(hf_without_baseline)
+    (row,) = rows_by_source(doc)["1b_vs_hf_model"]
+    assert row.status == "not measured" and "transformers is not installed" in row.measured
+
+
+def test_merge_joins_calls_and_later_results_win():
+    first, second = full_document(mfu=0.40), full_document(mfu=0.55)
+    del second["benchmarks"]["1b_memory_full"]
+    second["environment"] = None
+    first["stages"], second["stages"] = {"tests": {"status": "done"}}, {"throughput": {"status": "incomplete"}}
+    merged = merge_documents([first, second])
+    assert merged["benchmarks"]["1b_eager"]["report"]["runners"][0]["throughput"]["mfu"] == 0.55
+    assert "1b_memory_full" in merged["benchmarks"] and merged["environment"] == first["environment"]
+    assert set(merged["stages"]) == {"tests", "throughput"}
+    with pytest.raises(ValueError, match="not a GPU check document"):
+        merge_documents([{"schema": "lnstrain.benchmark/1"}])
+
+
+def test_markdown_has_the_table_failures_unfinished_stages_and_commands():
+    doc = full_document()
+    doc["tests"]["failures"] = [{"test": "tests.gpu.test_x::test_y", "message": "assert 0.2 <= 0.01"}]
+    doc["stages"] = {"compare": {"status": "incomplete", "note": "not started for lack of time: 1b_vs_hf_engine"}}
+    text = to_markdown(doc)
+    assert "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, CUDA 13.0, DeepSpeed 0.19.8" in text
+    assert "| figure | measured | goal | status | from |" in text
+    assert text.count("\n| ") == len(summary_rows(doc)) + 1  # the separator row starts with "|---"
+    assert "`tests.gpu.test_x::test_y`: assert 0.2 <= 0.01" in text
+    assert "compare: incomplete not started for lack of time" in text
+    assert "- 1b_eager: `python tools/benchmark.py ...`" in text
+    assert "DRY RUN" not in text and "DRY RUN" in to_markdown({**doc, "dry_run": True})
