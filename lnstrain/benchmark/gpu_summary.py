@@ -80,7 +80,10 @@ def _report(doc: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 def _not_measured(figure: str, goal: str, source: str, doc: dict[str, Any]) -> Row:
     run = (doc.get("benchmarks") or {}).get(source)
-    why = "not run" if run is None else f"failed (exit {run.get('exit_code')})"
+    if run is None:
+        return Row(figure, "not run", goal, "not measured", source)
+    last_line = next((line.strip() for line in reversed((run.get("output_tail") or "").splitlines()) if line.strip()), "")
+    why = f"failed (exit {run.get('exit_code')})" + (f": {last_line[:160]}" if last_line else "")
     return Row(figure, why, goal, "not measured", source)
 
 
@@ -133,7 +136,7 @@ def hf_rows(doc: dict[str, Any]) -> list[Row]:
         goal = f">= {HF_SPEEDUP_GOAL}x"
         report = _report(doc, name)
         if report is None:
-            if name in (doc.get("benchmarks") or {}):
+            if name in (doc.get("benchmarks") or {}) or name == "1b_vs_hf_model":
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         comparison = next((c for c in report["comparisons"] if c["runner"].startswith("hf-")), None)

@@ -1,7 +1,8 @@
 """Where a step's time goes: a few steps of one runner under ``torch.profiler``, by operator or kernel.
 
-On CUDA the rows are sorted by self device time (the kernels: matmuls, attention, norms, elementwise
-ops, copies), on the CPU by self CPU time. ``tools/benchmark.py --profile-steps N`` puts the table in
+On CUDA the rows are the device's own events (kernels, copies, memsets) by self device time, so that
+they add up to the GPU's busy time (the CPU-side operators that launched them carry the same time
+again and are left out); on the CPU the operators by self CPU time. ``tools/benchmark.py --profile-steps N`` puts the table in
 its JSON (``profile``), so that a run that misses its MFU goal already says what to look at.
 """
 
@@ -20,6 +21,11 @@ def _self_time_us(event: Any, on_device: bool) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
 
 
+def _runs_on_the_device(event: Any) -> bool:
+    """A kernel, copy or memset (``DeviceType.CUDA``), not a CPU operator."""
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
 def profile_steps(step: Callable[[], Any], steps: int, device: torch.device, top: int = 25) -> dict[str, Any]:
     """Run ``step`` ``steps`` times under the profiler; the ``top`` rows by self time, per step."""
     if steps < 1:
@@ -31,7 +37,10 @@ def profile_steps(step: Callable[[], Any], steps: int, device: torch.device, top
             step()
         if on_device:
             torch.cuda.synchronize(device)
-    timed = [(event, _self_time_us(event, on_device)) for event in profiler.key_averages()]
+    events = list(profiler.key_averages())
+    if on_device and any(_runs_on_the_device(event) for event in events):
+        events = [event for event in events if _runs_on_the_device(event)]
+    timed = [(event, _self_time_us(event, on_device)) for event in events]
     timed = [(event, us) for event, us in timed if us > 0]
     total_us = sum(us for _, us in timed)
     timed.sort(key=lambda item: item[1], reverse=True)
