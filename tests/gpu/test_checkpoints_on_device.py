@@ -4,9 +4,10 @@ Hugging Face and reproduced by transformers.
 The trainer (``pretrain``) runs the tiny config on the session's tiny corpus in one spawned device rank
 with deterministic algorithms:
 
-* fp32 with dropout, uninterrupted and interrupted at step 3 then resumed: with the same kernels on
-  the same inputs the resumed losses must equal the uninterrupted run's bit for bit (dropout makes
-  them depend on the restored RNG state too, CUDA's generator on a GPU);
+* fp32 with dropout, uninterrupted (twice: the device must be deterministic here) and interrupted at
+  step 3 then resumed: with the same kernels on the same inputs the resumed losses must equal the
+  uninterrupted run's bit for bit (dropout makes them depend on the restored RNG state too, CUDA's
+  generator on a GPU);
 * bf16 (ZeRO 1, BF16_Optimizer), uninterrupted, and interrupted at step 3; a CPU rank then resumes
   the step-3 checkpoint: other kernels, so its losses agree within bf16's tolerance (3e-2, as bf16
   against fp32), and it resumes at step 3 with the same data position;
@@ -46,6 +47,7 @@ def device_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> d
         return pretrain(_config(corpus, root, name, world_size, *extra), world_size, stop_at_step=stop_at_step)
 
     return {"straight": run("straight", *DROPOUT),
+            "straight_again": run("straight_again", *DROPOUT),
             "interrupted": run("resumed", *DROPOUT, stop_at_step=3),
             "resumed": run("resumed", *DROPOUT),
             "bf16_straight": run("bf16_straight", *BF16),
@@ -73,6 +75,8 @@ def test_resume_on_the_device_reproduces_the_uninterrupted_run_bitwise(runs, dev
     from lnstrain.checkpoint.metadata import load_rng_state
 
     straight, interrupted, resumed = runs["straight"], runs["interrupted"], runs["resumed"]
+    # first: the same run twice gives the same losses (else a kernel is non-deterministic, not the resume)
+    assert runs["straight_again"].losses == straight.losses, (straight.losses, runs["straight_again"].losses)
     assert sorted(interrupted.losses) == [1, 2, 3] and sorted(resumed.losses) == [4, 5, 6]
     assert Path(resumed.resumed_from).name == "global_step3"
     assert interrupted.losses | resumed.losses == straight.losses, (straight.losses, interrupted.losses | resumed.losses)
