@@ -254,7 +254,10 @@ class Check:
                 self.say(f"== {label}: not started, {self.remaining():.0f} s left of --time-limit-s")
                 continue
             self.say(f"== {label} ({self.remaining():.0f} s left)")
-            self.run_tests() if item is None else self.run_benchmark(item)
+            if item is None:
+                self.run_tests()
+            else:
+                self.run_benchmark(item)
             self.save()
         note = f"not started for lack of time: {', '.join(skipped)} (run --only {name} again)" if skipped else ""
         self.doc["stages"][name] = {"status": "incomplete" if skipped else "done",
@@ -325,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                 check.stage(stage)
     finally:
         shutil.rmtree(check.scratch, ignore_errors=True)
-    markdown = to_markdown(check.doc)
-    check.say(markdown)
+    check.say(to_markdown(check.doc))
+    check.log.close()
     return 0
 
 
