@@ -9,6 +9,8 @@
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
 reported together with exit code 2. SIGTERM or SIGUSR1 make every rank save and exit 0.
+The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
+libraries' informational messages.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import datetime
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
-from lnstrain.config.run_config import load_config  # noqa: E402
+from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 
 EXIT_BAD_CONFIG = 2
 
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", metavar="PATH",
                         help="resume from this checkpoint directory or global_step<N> directory "
                              "(same as --set checkpoint.resume=PATH)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show DeepSpeed's and other libraries' informational messages and lnstrain's "
+                             "debug messages (default: lnstrain's progress lines and every warning)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -52,6 +57,8 @@ def fail(problems: list[str], source: str) -> None:
 
 def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> None:
     """Print the estimate (rank 0 only); missing data files are noted in it, other problems stop it."""
+    from lnstrain.config.run_config import load_config
+
     config = load_config(args.config, overrides, world_size, validate=False)
     if args.world_size is not None:
         world_size = args.world_size
@@ -64,15 +71,21 @@ def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> 
         print(report)
 
 
-def configure_process(rank: int, local_world_size: int) -> None:
-    """Logging (progress from rank 0, warnings from all) and CPU threads.
-
-    Threads: an explicit ``OMP_NUM_THREADS`` is respected (torchrun sets 1 itself when it starts
-    several ranks per node); without it, a CPU-only rank takes ``cores / local ranks`` threads.
-    """
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
+def configure_logging(rank: int, verbose: bool) -> None:
+    """lnstrain's progress from rank 0 and warnings from every rank; with ``verbose`` also lnstrain's
+    debug messages and other libraries' (DeepSpeed's: ``init_distributed``) informational ones."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stdout, force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    own_level = logging.DEBUG if verbose else logging.INFO
+    logging.getLogger("lnstrain").setLevel(own_level if rank == 0 else logging.WARNING)
+    if not verbose:  # DeepSpeed's ZeRO calls it; nothing a user can act on
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def configure_threads(local_world_size: int) -> None:
+    """An explicit ``OMP_NUM_THREADS`` is respected (torchrun sets 1 itself when it starts several
+    ranks per node); without it, a CPU-only rank takes ``cores / local ranks`` threads."""
     import torch
 
     if not torch.cuda.is_available() and not os.environ.get("OMP_NUM_THREADS"):
@@ -83,19 +96,38 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def init_distributed(timeout_minutes: float) -> None:
+def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     """Start the default process group; a plain ``python`` launch becomes a one-rank world. A
-    collective that waits longer than ``timeout_minutes`` raises (``train.collective_timeout_minutes``)."""
+    collective that waits longer than ``timeout_minutes`` raises (``train.collective_timeout_minutes``).
+    A rendezvous port in use stops this rank with a one-line error (exit 2)."""
     if "RANK" not in os.environ:
         from lnstrain.testing.distributed import distributed_env, free_port
 
         os.environ.update(distributed_env(0, 1, free_port()))
-    import deepspeed
     import torch
 
+    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm, name_cpu_accelerator_if_no_cuda
+
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    logging.getLogger("lnstrain.launch").info(
+        "starting torch.distributed (%s, %d rank(s), rendezvous at %s)%s", backend, world_size, address,
+        "; waiting for every rank" if world_size > 1 else "")
+    name_cpu_accelerator_if_no_cuda()  # before DeepSpeed's first import, which would warn otherwise
+    if verbose:
+        from deepspeed.utils.logging import set_log_level_from_string
+
+        set_log_level_from_string("info")
+    try:
+        init_deepspeed_comm(backend, datetime.timedelta(minutes=timeout_minutes))
+    except RuntimeError as error:  # torch's DistNetworkError
+        if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
+            raise
+        print(f"lnstrain: the rendezvous port {address} (MASTER_PORT) is already in use, probably by another "
+              "job; pass a free one to the launcher: deepspeed --master_port PORT ... (torchrun: --master-port "
+              "PORT)", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
@@ -103,11 +135,18 @@ def init_distributed(timeout_minutes: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    if not args.dry_run:
+        configure_logging(rank, args.verbose)
+        logging.getLogger("lnstrain.launch").info("checking %s: config, data, tokenizer, output directories",
+                                                  args.config)
     try:
         if args.dry_run:
             dry_run(args, overrides, world_size)
             return 0
+        from lnstrain.config.run_config import load_config  # imports torch: seconds on a cold file system
+
         config = load_config(args.config, overrides, world_size, validate=False)
         from lnstrain.training.preflight import preflight_problems
 
@@ -117,16 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         fail(problems, args.config)
 
-    rank = int(os.environ.get("RANK", "0"))
+    log = logging.getLogger("lnstrain.launch")
+    log.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
-    configure_process(rank, int(local_ranks))
-    init_distributed(config.train.collective_timeout_minutes)
+    configure_threads(int(local_ranks))
+    init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.training.trainer import pretrain
 
     result = pretrain(config, world_size)
-    logging.getLogger("lnstrain.launch").info(
-        "done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
-        result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
+    log.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
+             result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
+    if config.logging.tensorboard:
+        log.info("TensorBoard: tensorboard --logdir %s", config.run.dir / "tensorboard")
     import torch.distributed as dist
 
     if dist.is_initialized():

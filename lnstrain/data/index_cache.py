@@ -52,6 +52,7 @@ class IndexCache:
             return loaded
         if not self.builds:
             return self._wait(name)
+        logger.info("building index %s", self.marker(name))
         t0 = time.perf_counter()
         arrays = build()
         self._save(name, description, arrays)

@@ -130,10 +130,11 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
                         f"({groups.pp_size}); every stage needs at least one layer")
     if problems:
         raise ValueError("cannot build the pipeline:\n  " + "\n  ".join(problems))
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed's comm wraps torch's
+    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
+
+    init_deepspeed_comm(dist.get_backend())  # DeepSpeed's comm wraps torch's
     groups = with_kv_head_groups(model_cfg, groups)  # collective, so before any stage is built
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries

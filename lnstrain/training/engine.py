@@ -137,13 +137,17 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
     """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``."""
     import deepspeed
 
+    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
+
     check_layout(config, world_size)
     _check_groups_match(config, groups, world_size)
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs torch.distributed initialised (launch with torchrun or "
                            "deepspeed, or lnstrain.testing.distributed.run_distributed)")
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    init_deepspeed_comm(dist.get_backend())
 
+    logger.info("building the model (%d layers, hidden size %d, %s) and the DeepSpeed engine",
+                config.model.num_layers, config.model.hidden_size, config.model.norm_scheme.value)
     if _overcounted_kv_rows(config):  # refused elsewhere; kept on this path for existing runs
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", _overcounted_kv_rows(config))
     module = _build_module(config, groups).to(training_device())  # before the optimizer picks its kernel

@@ -3,6 +3,7 @@ named by ``checkpoint.init_from``, or step 0."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,8 @@ from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
+
+logger = logging.getLogger(__name__)
 
 
 def _cannot_resume(problems: list[str]) -> ValueError:
@@ -30,8 +33,10 @@ def restore_or_start(config: Config, engine: TrainingEngine,
         if config.checkpoint.init_from:
             from lnstrain.checkpoint.reshard import initialize_from
 
+            logger.info("initialising the model from %s (checkpoint.init_from)", config.checkpoint.init_from)
             initialize_from(engine, config.checkpoint.init_from)
         return TrainingPosition(), None
+    logger.info("loading checkpoint %s", step_dir)
     return load_checkpoint(config, engine, checkpoints, step_dir), step_dir
 
 

@@ -144,7 +144,9 @@ def _stats_under_zero2(model, windows, groups) -> dict[str, float]:
     """Gradients reduced and partitioned by DeepSpeed's ZeRO-2 engine, read before its step."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
+
+    init_deepspeed_comm("gloo")
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), mpu=groups,
         config={"train_micro_batch_size_per_gpu": len(windows), "gradient_accumulation_steps": 1,
