@@ -94,9 +94,15 @@ def format_plan(study: Study, planned: list[PlannedRun]) -> str:
                      f"{_short(p.tokens)} | {p.flops:.2e} | {p.gpus} | {nodes} | {layout} | {p.gpu_hours:,.1f} |")
     total = sum(p.gpu_hours for p in planned)
     lines += ["", f"Total: {len(planned)} runs, {total:,.1f} GPU-hours at {cluster.mfu:.0%} MFU."]
-    notes = sorted({note for p in planned if p.choice for note in p.choice.notes})
-    if notes:
-        lines += ["", "Layout notes:", *(f"- {note}" for note in notes)]
+    sizes_by_note: dict[str, list[str]] = {}
+    for p in planned:
+        for note in p.choice.notes if p.choice else []:
+            sizes = sizes_by_note.setdefault(note, [])
+            if p.run.size not in sizes:
+                sizes.append(p.run.size)
+    if sizes_by_note:
+        lines += ["", "Layout notes (the layouts the search skipped, by model size):",
+                  *(f"- {', '.join(sizes)}: {note}" for note, sizes in sizes_by_note.items())]
     refused = [p for p in planned if p.error]
     if refused:
         lines += ["", "Refused (no layout fits):", *(f"- {p.run.name}: {p.error}" for p in refused)]

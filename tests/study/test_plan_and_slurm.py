@@ -39,6 +39,13 @@ def test_1b_never_gets_a_tensor_size_its_ffn_cannot_split():
     assert choice.memory.total <= 12 * 0.9 * 2**30
 
 
+def test_plan_layout_notes_name_the_sizes_they_are_about():
+    study = load_study(STUDIES / "lns_scaling.yaml")
+    notes = format_plan(study, plan_study(study)).split("Layout notes")[1].splitlines()[1:]
+    assert "- 1b: tensor 2 skipped: model.ffn_hidden_size (5461) must be divisible by parallel.tensor (2)" in notes
+    assert all(line.startswith("- ") and ": tensor " in line for line in notes if line), notes
+
+
 def test_plan_refuses_what_does_not_fit():
     study = load_study(STUDIES / "lns_7b.yaml")
     config = compose_run_config(study, "7b", "lns", 1)
