@@ -5,8 +5,10 @@
 
 --checkpoint takes a run directory, its checkpoints/ directory (newest complete step) or one
 global_step<N>. For LayerNorm Scaling the 1/sqrt(l) factors are folded into the weights, so
-transformers' LlamaForCausalLM computes the same logits. Post-LN, DeepNorm, Mix-LN, Sandwich-LN,
-LayerScale and LayerNorm models are refused: plain LLaMA code cannot compute them.
+transformers' LlamaForCausalLM computes the same logits; config.json records the fold (key
+"lnstrain"), so that tools/convert_from_hf.py and checkpoint.init_from unfold it again, exactly.
+Post-LN, DeepNorm, Mix-LN, Sandwich-LN, LayerScale and LayerNorm models are refused: plain LLaMA
+code cannot compute them.
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ from lnstrain.checkpoint.layouts import read_full_state  # noqa: E402
 
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                        help="the weights' dtype (default: bf16, half of fp32's size: every weight is rounded to "
+                             "bf16, so the logits differ from the trained model's by that rounding; fp32 "
+                             "reproduces them, and is what continued pretraining from the export needs)")
+    parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default: 5GB)")
 
 
 def main(argv: list[str] | None = None) -> int:

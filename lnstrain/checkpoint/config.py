@@ -25,6 +25,9 @@ class CheckpointConfig:
             ``.safetensors``/``.pt`` state dict, a Hugging Face LLaMA directory or an lnstrain
             checkpoint of any layout; loaded with ``lnstrain.checkpoint.consolidated_file.load_init_state_dict``.
             Ignored when the run resumes from its own checkpoint.
+        init_from_unfold_lns: for a Hugging Face ``init_from``: divide out the LNS factors an lnstrain
+            export folded into the weights (``true``), load the weights as they are (``false``), or, unset,
+            do what the export's config.json records (``lnstrain.checkpoint.lns_fold``; the log says which).
         reshard_with_fresh_optimizer: resuming at another (tensor, pipeline, data) layout needs the
             Adam moments, which only ZeRO-1/2 checkpoints give back; set this to resume a ZeRO-0/3
             checkpoint at another layout with the weights, schedule and data position and fresh
@@ -39,6 +42,7 @@ class CheckpointConfig:
     save_at_end: bool = True
     allow_data_mismatch: bool = False
     init_from: str | None = None
+    init_from_unfold_lns: bool | None = None
     reshard_with_fresh_optimizer: bool = False
 
     def validate(self) -> list[str]:

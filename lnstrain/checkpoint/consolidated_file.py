@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lnstrain.checkpoint.safe_load import load_tensors
+from lnstrain.checkpoint.safetensors_io import save_safetensors
 from lnstrain.checkpoint.sharding import check_full_state_dict
 from lnstrain.config.run_config import Config, config_from_dict
 from lnstrain.model.config import ModelConfig
@@ -35,7 +36,7 @@ def save_consolidated(path: str | os.PathLike, state: dict[str, torch.Tensor], c
     metadata = {"format": "pt"}
     if config is not None:
         metadata[CONFIG_METADATA_KEY] = config.to_yaml()
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path), metadata=metadata)
+    save_safetensors({name: tensor.contiguous() for name, tensor in state.items()}, path, metadata)
     return path
 
 
@@ -47,9 +48,10 @@ def load_consolidated(path: str | os.PathLike) -> tuple[Config | None, dict[str,
     return config, load_file(str(path))
 
 
-def load_init_state_dict(path: str | os.PathLike, model_cfg: ModelConfig, unfold_lns: bool = False
+def load_init_state_dict(path: str | os.PathLike, model_cfg: ModelConfig, unfold_lns: bool | None = None
                          ) -> dict[str, torch.Tensor]:
-    """The single-process state dict that ``checkpoint.init_from`` names (see the module docstring)."""
+    """The single-process state dict that ``checkpoint.init_from`` names (see the module docstring).
+    ``unfold_lns`` is for a Hugging Face directory (``hf_io.load_hf_llama_state_dict``)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
         state = load_consolidated(path)[1]

@@ -5,6 +5,8 @@
     DIR/model.safetensors.index.json        which shard holds which tensor
     DIR/tokenizer.model                     the run's sentencepiece model (data.tokenizer)
     DIR/tokenizer_config.json, special_tokens_map.json, generation_config.json
+    DIR/lnstrain_unfolded_norms.safetensors the norm gains as trained, for an exact unfold (lns only;
+                                            ``lns_fold``; transformers does not read it)
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lnstrain.checkpoint.hf_llama import config_problems, from_hf_state_dict, hf_config, shards_by_size, to_hf_state_dict
+from lnstrain.checkpoint.lns_fold import RECORD_KEY, UNFOLDED_WEIGHTS_FILE, folded_norm_gains, unfold_factors
+from lnstrain.checkpoint.safetensors_io import save_safetensors
 from lnstrain.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -72,8 +76,11 @@ def save_hf_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, output:
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(output / filename), metadata={"format": "pt"})
+        save_safetensors(shard, output / filename, metadata={"format": "pt"})
         weight_map.update({name: filename for name in shard})
+    as_trained = folded_norm_gains(state, cfg)
+    if as_trained:
+        save_safetensors(as_trained, output / UNFOLDED_WEIGHTS_FILE, metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
@@ -106,11 +113,13 @@ def read_hf_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_hf_llama_state_dict(directory: str | os.PathLike, model_cfg: ModelConfig,
-                             unfold_lns: bool = False) -> dict[str, torch.Tensor]:
+                             unfold_lns: bool | None = None) -> dict[str, torch.Tensor]:
     """lnstrain's single-process fp32 state dict for ``model_cfg`` from a Hugging Face LLaMA directory.
 
-    Raises ``ValueError`` listing every difference between the directory's config.json and
-    ``model_cfg`` (then load it with ``sharding.apply_full_state_dict``, which checks the shapes).
+    ``unfold_lns``: divide out the LNS factors an lnstrain export folded into the weights; None (the
+    default) does so when the directory's config.json records the fold (``lns_fold``). The decision
+    is logged. Raises ``ValueError`` listing every difference between config.json and ``model_cfg``
+    (then load it with ``sharding.apply_full_state_dict``, which checks the shapes).
     """
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -122,4 +131,8 @@ def load_hf_llama_state_dict(directory: str | os.PathLike, model_cfg: ModelConfi
     problems = config_problems(hf, model_cfg)
     if problems:
         raise ValueError(f"{directory} does not match the model config:\n  - " + "\n  - ".join(problems))
-    return from_hf_state_dict(read_hf_tensors(directory), model_cfg, unfold_lns)
+    record = hf.get(RECORD_KEY)
+    factors = unfold_factors(record, model_cfg, unfold_lns, str(directory))
+    side_file = directory / UNFOLDED_WEIGHTS_FILE
+    as_trained = load_file(str(side_file)) if factors and side_file.is_file() else None
+    return from_hf_state_dict(read_hf_tensors(directory), model_cfg, factors, as_trained)

@@ -8,7 +8,8 @@ Exact correspondences (checked against ``transformers`` by tests/checkpoint/test
     checkpoints are the ones that need it).
   * RMSNorm: both compute x * rsqrt(mean(x²) + eps) in fp32, times the gain.
   * LayerNorm Scaling (``lns``): layer ℓ's two pre-sublayer norms compute norm(x) * gain * (1/√ℓ),
-    so the exported gains are gain / √ℓ: ``input_layernorm`` and ``post_attention_layernorm``.
+    so the exported gains are gain / √ℓ: ``input_layernorm`` and ``post_attention_layernorm``
+    (config.json records the fold; ``lns_fold`` unfolds it on import).
     ``lns_after_sublayer`` multiplies the sublayer's output, i.e. the last linear map of each
     sublayer: the factor is folded into ``o_proj`` and ``down_proj``. The final norm is never scaled.
   * the padded vocabulary rows are dropped; ``vocab_size`` is the tokenizer's.
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from lnstrain.model.config import ModelConfig, NormScheme
-from lnstrain.model.norm_schemes import lns_factor
+from lnstrain.checkpoint.lns_fold import RECORD_KEY, fold_record, layer_factors, unfold
 from lnstrain.checkpoint.param_names import fit_rows
 
 logger = logging.getLogger(__name__)
@@ -55,16 +56,6 @@ def export_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def _layer_factors(cfg: ModelConfig, layer_number: int) -> tuple[float, float]:
-    """(factor folded into both norm gains, factor folded into o_proj and down_proj) for layer ℓ."""
-    scheme = NormScheme(cfg.norm_scheme)
-    if scheme == NormScheme.LNS:
-        return lns_factor(layer_number), 1.0
-    if scheme == NormScheme.LNS_AFTER_SUBLAYER:
-        return 1.0, lns_factor(layer_number)
-    return 1.0, 1.0
-
-
 def _split_sizes(cfg: ModelConfig) -> list[int]:
     return [cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
 
@@ -80,7 +71,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         out["lm_head.weight"] = state["output.head.weight"][:cfg.vocab_size]
     for index in range(cfg.num_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        norm_factor, output_factor = _layer_factors(cfg, index + 1)
+        norm_factor, output_factor = layer_factors(cfg, index + 1)
         if cfg.fused_qkv:
             q, k, v = state[ours + "attention.qkv_proj.weight"].split(_split_sizes(cfg))
         else:
@@ -98,22 +89,20 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, unfold_lns: bool = False) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
+                       factors: list[tuple[float, float]] | None = None,
+                       as_trained: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """lnstrain's single-process state dict from Hugging Face LLaMA tensors.
 
-    ``unfold_lns``: divide out the 1/√ℓ factors an LNS export folded in (round trip of our own export).
-    Without it the weights load as they are, and an LNS config then computes a different function
-    than the LLaMA model did (each layer's sublayer inputs scaled by 1/√ℓ), which is logged.
+    ``factors``: per layer, the (norm gain, o_proj/down_proj) factors an LNS export folded in, to
+    divide out (``lns_fold.unfold_factors`` decides); None loads the weights as they are.
+    ``as_trained``: an export's side file of unfolded gains (``lns_fold``), which makes unfolding exact.
     """
     scheme = NormScheme(cfg.norm_scheme)
     if scheme not in EXPORTABLE or cfg.norm_type != "rmsnorm":
         raise ValueError(f"cannot import a LLaMA checkpoint into model.norm_scheme={scheme.value}, "
                          f"norm_type={cfg.norm_type}: " + "; ".join(export_problems(cfg)))
-    if scheme != NormScheme.PRE_LN and not unfold_lns:
-        logger.warning("importing a LLaMA checkpoint into norm_scheme=%s without unfolding: LayerNorm Scaling "
-                       "multiplies each layer's sublayers by 1/sqrt(l) on top of these weights, so the model "
-                       "computes a different function than the checkpoint did (pass --unfold-lns / "
-                       "unfold_lns=True if the checkpoint is an lnstrain LNS export)", scheme.value)
+    as_trained = as_trained or {}
     padded = cfg.padded_vocab_size(1)
     head = hf.get("lm_head.weight")
     state = {"embedding.word_embeddings.weight": fit_rows(hf["model.embed_tokens.weight"], padded),
@@ -125,25 +114,31 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, unfold_lns
         state["output.head.weight"] = fit_rows(head, padded)
     for index in range(cfg.num_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        norm_factor, output_factor = _layer_factors(cfg, index + 1) if unfold_lns else (1.0, 1.0)
+        norm_factor, output_factor = factors[index] if factors else (1.0, 1.0)
         q, k, v = (hf[theirs + f"self_attn.{p}_proj.weight"] for p in "qkv")
         if cfg.fused_qkv:
             state[ours + "attention.qkv_proj.weight"] = torch.cat([q, k, v])
         else:
             state.update({ours + f"attention.{p}_proj.weight": w for p, w in zip("qkv", (q, k, v))})
+        unfolded = {name: unfold(hf[theirs + name], factor, as_trained.get(theirs + name))
+                    for name, factor in (("input_layernorm.weight", norm_factor),
+                                         ("post_attention_layernorm.weight", norm_factor),
+                                         ("self_attn.o_proj.weight", output_factor),
+                                         ("mlp.down_proj.weight", output_factor))}
         state.update({
-            ours + "attention_norm.weight": hf[theirs + "input_layernorm.weight"] / norm_factor,
-            ours + "mlp_norm.weight": hf[theirs + "post_attention_layernorm.weight"] / norm_factor,
-            ours + "attention.o_proj.weight": hf[theirs + "self_attn.o_proj.weight"] / output_factor,
+            ours + "attention_norm.weight": unfolded["input_layernorm.weight"],
+            ours + "mlp_norm.weight": unfolded["post_attention_layernorm.weight"],
+            ours + "attention.o_proj.weight": unfolded["self_attn.o_proj.weight"],
             ours + "mlp.gate_up_proj.weight": torch.cat([hf[theirs + "mlp.gate_proj.weight"],
                                                          hf[theirs + "mlp.up_proj.weight"]]),
-            ours + "mlp.down_proj.weight": hf[theirs + "mlp.down_proj.weight"] / output_factor,
+            ours + "mlp.down_proj.weight": unfolded["mlp.down_proj.weight"],
         })
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """A ``LlamaConfig``-compatible config.json (keys for transformers 4.x and 5.x)."""
+    """A ``LlamaConfig``-compatible config.json (keys for transformers 4.x and 5.x), with lnstrain's record
+    of what it folded (``lns_fold``)."""
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -155,7 +150,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "torch_dtype": torch_dtype,
-        "dtype": torch_dtype, "use_cache": True,
+        "dtype": torch_dtype, "use_cache": True, RECORD_KEY: fold_record(cfg),
     }
     if bos_id is not None and bos_id >= 0:
         config["bos_token_id"] = bos_id

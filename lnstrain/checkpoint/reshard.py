@@ -131,10 +131,11 @@ def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer
     return TrainingPosition.from_metadata(meta)
 
 
-def initialize_from(training_engine: Any, path: str | Path, unfold_lns: bool = False) -> None:
+def initialize_from(training_engine: Any, path: str | Path, unfold_lns: bool | None = None) -> None:
     """``checkpoint.init_from``: this rank's shards of the weights at ``path`` (a consolidated file, a
     Hugging Face LLaMA directory or an lnstrain checkpoint of any layout) into the live engine, fp32
-    masters included; the optimizer, schedule and data position start fresh (continued pretraining)."""
+    masters included; the optimizer, schedule and data position start fresh (continued pretraining).
+    ``unfold_lns``: ``checkpoint.init_from_unfold_lns`` (None: as a Hugging Face export's config.json says)."""
     from lnstrain.checkpoint.consolidated_file import load_init_state_dict
 
     model_cfg = training_engine.config.model

@@ -34,7 +34,7 @@ def restore_or_start(config: Config, engine: TrainingEngine,
             from lnstrain.checkpoint.reshard import initialize_from
 
             logger.info("initialising the model from %s (checkpoint.init_from)", config.checkpoint.init_from)
-            initialize_from(engine, config.checkpoint.init_from)
+            initialize_from(engine, config.checkpoint.init_from, config.checkpoint.init_from_unfold_lns)
         return TrainingPosition(), None
     logger.info("loading checkpoint %s", step_dir)
     return load_checkpoint(config, engine, checkpoints, step_dir), step_dir

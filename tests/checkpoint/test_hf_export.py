@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from lnstrain.checkpoint.consolidated_file import load_init_state_dict, save_consolidated
 from lnstrain.checkpoint.hf_io import load_hf_llama_state_dict, read_hf_tensors, save_hf_checkpoint
 from lnstrain.checkpoint.hf_llama import export_problems, to_hf_state_dict
+from lnstrain.checkpoint.lns_fold import UNFOLDED_WEIGHTS_FILE
 from lnstrain.checkpoint.sharding import StateDictMismatchError, apply_full_state_dict
 from lnstrain.model import ModelConfig, Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -133,6 +136,7 @@ def test_export_writes_index_config_and_tokenizer(tmp_path, tiny_corpus):
     assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["lnstrain"]["norm_scheme"] == "lns"
     assert config["num_key_value_heads"] == cfg.kv_heads and config["max_position_embeddings"] == cfg.max_seq_len
     assert read_hf_tensors(tmp_path)["model.norm.weight"].dtype == torch.bfloat16
     tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -166,23 +170,67 @@ def test_export_refuses_layernorm():
 
 
 @pytest.mark.parametrize("scheme", ["pre_ln", "lns", "lns_after_sublayer"])
-def test_import_round_trip_restores_the_state_dict(scheme, tmp_path):
+def test_import_round_trip_restores_the_state_dict(scheme, tmp_path, caplog):
+    """The export's config.json record makes the import unfold by itself; lns gets its gains back bit for bit."""
     cfg = tiny_cfg(norm_scheme=scheme, num_kv_heads=2)
     original = perturbed_model(cfg).state_dict()
     save_hf_checkpoint(original, cfg, tmp_path, dtype="fp32")
-    imported = load_hf_llama_state_dict(tmp_path, cfg, unfold_lns=True)
+    with caplog.at_level(logging.INFO):
+        imported = load_hf_llama_state_dict(tmp_path, cfg)
     assert sorted(imported) == sorted(original)
     for name, tensor in original.items():
-        if scheme == "pre_ln":
-            assert torch.equal(imported[name], tensor), name
-        else:  # x * (1/sqrt l) / (1/sqrt l) may differ from x in the last bit
+        if scheme == "lns_after_sublayer":  # o_proj/down_proj: x * (1/sqrt l) / (1/sqrt l) may differ in the last bit
             torch.testing.assert_close(imported[name], tensor, rtol=1e-6, atol=0, msg=name)
+        else:
+            assert torch.equal(imported[name], tensor), name
+    if scheme != "pre_ln":
+        assert "config.json records that lnstrain folded" in caplog.text and "weights unfolded" in caplog.text
     model = Transformer(cfg, ParallelGroups.single_process())
     apply_full_state_dict(model, imported)
     ids = tokens(cfg)
     with torch.no_grad():
         expected = perturbed_model(cfg)(ids)
         assert (model(ids) - expected).abs().max() <= 1e-5
+
+
+def test_unfold_without_exact_gains_computes_the_same_function(tmp_path):
+    """Without the side file of gains as trained (or with one a fine-tune made stale) the gains are divided
+    back: some differ from the originals in the last bit, but LNS multiplies them back to the exported ones."""
+    cfg = tiny_cfg(norm_scheme="lns", num_layers=6)
+    original = perturbed_model(cfg).state_dict()
+    save_hf_checkpoint(original, cfg, tmp_path, dtype="fp32")
+    (tmp_path / UNFOLDED_WEIGHTS_FILE).unlink()
+    imported = load_hf_llama_state_dict(tmp_path, cfg)
+    exported = read_hf_tensors(tmp_path)
+    differing = 0
+    for index in range(cfg.num_layers):
+        gain = imported[f"layers.{index}.attention_norm.weight"]
+        factor = 1 / (index + 1) ** 0.5
+        assert torch.equal(gain * factor, exported[f"model.layers.{index}.input_layernorm.weight"])
+        differing += int((gain != original[f"layers.{index}.attention_norm.weight"]).sum())
+    assert differing > 0  # the reason for the side file: division alone does not give every gain back
+    model = Transformer(cfg, ParallelGroups.single_process())
+    apply_full_state_dict(model, imported)
+    ids = tokens(cfg)
+    with torch.no_grad():
+        assert torch.equal(model(ids), perturbed_model(cfg)(ids))
+
+
+def test_export_records_the_fold_and_the_switch_overrides_it(tmp_path, caplog):
+    cfg = tiny_cfg(norm_scheme="lns")
+    original = perturbed_model(cfg).state_dict()
+    save_hf_checkpoint(original, cfg, tmp_path, dtype="fp32")
+    record = json.loads((tmp_path / "config.json").read_text())["lnstrain"]
+    assert record["norm_scheme"] == "lns"
+    assert record["lns_folded_into"] == ["input_layernorm", "post_attention_layernorm"]
+    assert record["layer_factors"] == [1.0, 1 / 2 ** 0.5, 1 / 3 ** 0.5]
+    with caplog.at_level(logging.INFO):
+        as_they_are = load_hf_llama_state_dict(tmp_path, cfg, unfold_lns=False)
+    assert "not unfolding the LNS factors, as asked (weights loaded as they are)" in caplog.text
+    folded = read_hf_tensors(tmp_path)["model.layers.2.input_layernorm.weight"]
+    assert torch.equal(as_they_are["layers.2.attention_norm.weight"], folded)
+    pre_ln = load_hf_llama_state_dict(tmp_path, tiny_cfg(norm_scheme="pre_ln"))  # same function, nothing to unfold
+    assert torch.equal(pre_ln["layers.2.attention_norm.weight"], folded)
 
 
 def test_import_into_lns_without_unfolding_warns(tmp_path, caplog):
@@ -246,10 +294,27 @@ def test_convert_from_hf_tool_writes_an_init_file(tmp_path, capsys):
     tool = load_tool("convert_from_hf")
     output = tmp_path / "init.safetensors"
     args = ["--hf", str(tmp_path / "hf"), "--config", str(TINY_RUN_CONFIG), "--output", str(output)]
-    assert tool.main(args + ["--unfold-lns"]) == 0
+    assert tool.main(args) == 0  # unfolds: config.json records the fold
     config, state = load_consolidated(output)
     assert config.model.norm_scheme.value == "lns"
     for name, tensor in original.items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-6, atol=0, msg=name)
+        assert torch.equal(state[name], tensor), name
+    assert tool.main(args + ["--no-unfold-lns"]) == 0
+    folded = load_consolidated(output)[1]["layers.1.mlp_norm.weight"]
+    assert torch.equal(folded, original["layers.1.mlp_norm.weight"] * (1 / 2 ** 0.5))
     assert tool.main(args + ["--set", "model.ffn_hidden_size=96"]) == 2
     assert "config.json intermediate_size=64 but model.ffn_hidden_size=96" in capsys.readouterr().err
+
+
+def test_exported_and_consolidated_files_follow_the_umask(tmp_path):
+    cfg = tiny_cfg(norm_scheme="lns")
+    state = perturbed_model(cfg).state_dict()
+    previous = os.umask(0o027)
+    try:
+        save_hf_checkpoint(state, cfg, tmp_path / "hf", dtype="fp32", shard_size="20KB")
+        save_consolidated(tmp_path / "w.safetensors", state)
+    finally:
+        os.umask(previous)
+    files = [tmp_path / "w.safetensors", *(tmp_path / "hf").iterdir()]
+    assert any(f.name == UNFOLDED_WEIGHTS_FILE for f in files) and len(files) > 4
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: oct(0o640) for f in files}

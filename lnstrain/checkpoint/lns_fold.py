@@ -1,0 +1,124 @@
+"""LayerNorm Scaling folded into exported weights, the record that says so, and unfolding it exactly.
+
+A Hugging Face export of an LNS model multiplies layer ℓ's factor 1/√ℓ into weights (the two
+pre-sublayer norm gains for ``lns``; ``o_proj`` and ``down_proj`` for ``lns_after_sublayer``), so
+plain LLaMA code computes the same logits. The export's ``config.json`` records it::
+
+    "lnstrain": {"norm_scheme": "lns", "lns_folded_into": ["input_layernorm", "post_attention_layernorm"],
+                 "layer_factors": [1.0, 0.7071067811865476, ...],
+                 "unfolded_weights_file": "lnstrain_unfolded_norms.safetensors", "lnstrain_version": "..."}
+
+and the importers (``tools/convert_from_hf.py``, ``checkpoint.init_from``) unfold when the record is
+there. Multiplying by 1/√ℓ is not invertible in floating point (two neighbouring gains can round
+to the same product, so dividing back recovers one of them, not always the original), so an ``lns``
+export also carries the norm gains as trained in a small side file (``unfolded_weights_file``, fp32):
+unfolding takes a gain from it when folding it again gives the exported gain bit for bit (a file
+left from before a fine-tune of the export does not), and divides otherwise. Either way the unfolded
+model computes what the export computes, since LNS multiplies the gain by the same factor again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lnstrain import __version__
+from lnstrain.model.config import ModelConfig, NormScheme
+from lnstrain.model.norm_schemes import lns_factor
+
+logger = logging.getLogger(__name__)
+
+RECORD_KEY = "lnstrain"
+UNFOLDED_WEIGHTS_FILE = "lnstrain_unfolded_norms.safetensors"
+_FOLDED_INTO = {NormScheme.LNS: ["input_layernorm", "post_attention_layernorm"],
+                NormScheme.LNS_AFTER_SUBLAYER: ["o_proj", "down_proj"]}
+
+
+def layer_factors(cfg: ModelConfig, layer_number: int) -> tuple[float, float]:
+    """(factor folded into both norm gains, factor folded into o_proj and down_proj) for layer ℓ."""
+    scheme = NormScheme(cfg.norm_scheme)
+    if scheme == NormScheme.LNS:
+        return lns_factor(layer_number), 1.0
+    if scheme == NormScheme.LNS_AFTER_SUBLAYER:
+        return 1.0, lns_factor(layer_number)
+    return 1.0, 1.0
+
+
+def fold_record(cfg: ModelConfig) -> dict:
+    """What an export of ``cfg`` folded, for its config.json (key ``RECORD_KEY``)."""
+    scheme = NormScheme(cfg.norm_scheme)
+    record = {"norm_scheme": scheme.value, "lns_folded_into": _FOLDED_INTO.get(scheme, []),
+              "layer_factors": [lns_factor(n) if scheme in _FOLDED_INTO else 1.0 for n in range(1, cfg.num_layers + 1)],
+              "lnstrain_version": __version__}
+    if scheme == NormScheme.LNS:
+        record["unfolded_weights_file"] = UNFOLDED_WEIGHTS_FILE
+    return record
+
+
+def folded_norm_gains(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The norm gains an ``lns`` export folds, as trained, under their Hugging Face names (the side file)."""
+    if NormScheme(cfg.norm_scheme) != NormScheme.LNS:
+        return {}
+    gains = {}
+    for index in range(cfg.num_layers):
+        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
+        gains[theirs + "input_layernorm.weight"] = state[ours + "attention_norm.weight"].float().contiguous()
+        gains[theirs + "post_attention_layernorm.weight"] = state[ours + "mlp_norm.weight"].float().contiguous()
+    return gains
+
+
+def unfold_factors(record: dict | None, cfg: ModelConfig, unfold: bool | None, source: str
+                   ) -> list[tuple[float, float]] | None:
+    """Per layer, the (norm, output) factors to divide out of ``source``'s weights, or None to load them
+    as they are. ``unfold`` None: unfold when ``record`` (config.json's) says the weights hold the
+    factors of this config's scheme. The decision and its consequence are logged either way."""
+    scheme = NormScheme(cfg.norm_scheme)
+    folded = NormScheme(record["norm_scheme"]) if record and record.get("lns_folded_into") else None
+    if unfold is None:
+        unfold = folded is not None and folded == scheme
+        level, message = _automatic_decision(record, folded, scheme)
+    elif unfold and folded is None and scheme not in _FOLDED_INTO:
+        unfold = False
+        level, message = logging.WARNING, f"unfolding asked for, but norm_scheme={scheme.value} has no LNS factors"
+    else:
+        level, message = logging.INFO, f"{'unfolding' if unfold else 'not unfolding'} the LNS factors, as asked"
+    logger.log(level, "%s: %s (weights %s)", source, message, "unfolded" if unfold else "loaded as they are")
+    if not unfold:
+        return None
+    if folded is not None:  # undo exactly what the export did
+        return [(f, 1.0) if folded == NormScheme.LNS else (1.0, f) for f in record["layer_factors"]]
+    return [layer_factors(cfg, n) for n in range(1, cfg.num_layers + 1)]
+
+
+def _automatic_decision(record: dict | None, folded: NormScheme | None, scheme: NormScheme) -> tuple[int, str]:
+    override = "--unfold-lns / --no-unfold-lns, or checkpoint.init_from_unfold_lns, override this"
+    twice = (f"norm_scheme={scheme.value} multiplies each layer's sublayers by 1/sqrt(l) on top, so the model "
+             "computes a different function than the checkpoint did")
+    if folded is not None and folded == scheme:
+        return logging.INFO, (f"config.json records that lnstrain folded {scheme.value}'s 1/sqrt(l) into "
+                              f"{', '.join(record['lns_folded_into'])}; {override}")
+    if folded is not None and scheme == NormScheme.PRE_LN:
+        return logging.INFO, (f"config.json records folded {folded.value} factors; norm_scheme=pre_ln computes what "
+                              "the exported model computes")
+    if folded is not None:
+        return logging.WARNING, (f"config.json records folded {folded.value} factors, but norm_scheme="
+                                 f"{scheme.value}: the model computes a different function than the checkpoint did")
+    if scheme not in _FOLDED_INTO:
+        return logging.INFO, "a plain LLaMA checkpoint into norm_scheme=pre_ln"
+    if record:
+        return logging.WARNING, f"config.json records an lnstrain {record.get('norm_scheme')} export: {twice}"
+    return logging.WARNING, (f"config.json has no lnstrain record of folded LNS factors: {twice} (if it is an "
+                             "lnstrain LNS export from before the record existed, unfold it: --unfold-lns or "
+                             "checkpoint.init_from_unfold_lns: true)")
+
+
+def unfold(folded: torch.Tensor, factor: float, as_trained: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight that, multiplied by ``factor`` (as export and model do), gives ``folded``:
+    ``as_trained`` when it does so bit for bit, else ``folded / factor``."""
+    if factor == 1.0:
+        return folded.float()
+    if as_trained is not None and as_trained.shape == folded.shape and torch.equal(
+            (as_trained.float() * factor).to(folded.dtype), folded):
+        return as_trained.float()
+    return folded.float() / factor
