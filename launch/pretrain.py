@@ -26,12 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 EXIT_BAD_CONFIG = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML)")
     add_override_argument(parser)
     parser.add_argument("--dry-run", action="store_true",

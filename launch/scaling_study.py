@@ -25,10 +25,11 @@ from lnstrain.study.collect import collect_results  # noqa: E402
 from lnstrain.study.launchers import launch_study, run_status  # noqa: E402
 from lnstrain.study.plan import format_plan, plan_rows, plan_study  # noqa: E402
 from lnstrain.study.spec import load_study  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("command", choices=["plan", "run", "collect"])
     parser.add_argument("study", help="study YAML, e.g. configs/studies/lns_scaling.yaml")
     parser.add_argument("--skip-refused", action="store_true", help="run: launch the runs that fit, skip the rest")

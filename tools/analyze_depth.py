@@ -27,11 +27,12 @@ from lnstrain.analysis.eval_data import validation_batches  # noqa: E402
 from lnstrain.analysis.model_loading import load_for_analysis  # noqa: E402
 from lnstrain.analysis.report import read_analyses, write_report  # noqa: E402
 from lnstrain.config.loader import add_override_argument  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     source = p.add_argument_group("model (one run)")
     source.add_argument("--checkpoint", help="checkpoint directory of any parallel layout")
     source.add_argument("--state-dict", help="torch.save'd single-process state dict (with --config)")

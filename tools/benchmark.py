@@ -46,12 +46,13 @@ from lnstrain.estimate.flops import flops_per_token  # noqa: E402
 from lnstrain.estimate.validation import split_file_problems  # noqa: E402
 from lnstrain.model.config import NormScheme  # noqa: E402
 from lnstrain.parallel.groups import collective_device  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML); data files are not needed")
     add_override_argument(parser, "train.compile=true")
     parser.add_argument("--runner", choices=("engine", "model"), default="engine",

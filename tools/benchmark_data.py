@@ -30,6 +30,7 @@ from lnstrain.data import DataConfig, DataSource, Tokenizer, build_train_valid_d
 from lnstrain.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from lnstrain.data.sample_index import build_blend_index, build_packed_index  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,7 +121,7 @@ def bench_loader(work: str, prefix: str, tokenizer: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--corpus-mb", type=float, default=16.0, help="demo corpus repeated to about this size")
     p.add_argument("--vocab-size", type=int, default=8000, help="tokenizer trained on the demo corpus")
     p.add_argument("--tokenizer", default=None, help="use this .model instead of training one")

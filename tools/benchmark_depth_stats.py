@@ -25,11 +25,12 @@ import torch  # noqa: E402
 from lnstrain.analysis.depth_stats import DepthStatsCollector  # noqa: E402
 from lnstrain.model import Transformer, model_preset  # noqa: E402
 from lnstrain.parallel.groups import ParallelGroups  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--preset", default="60m", help="model size preset (lnstrain/model/presets.py)")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=128)

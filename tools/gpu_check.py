@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from lnstrain.benchmark.gpu_summary import (BENCHMARKS, SCHEMA, merge_documents, summary_json,  # noqa: E402
                                             to_markdown)
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 STAGES = ("tests", "memory", "throughput", "compare", "layers7b")
 EXIT_BAD_INPUT = 2
@@ -92,7 +93,7 @@ def benchmarks(dry_run: bool) -> list[Benchmark]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated stages of {', '.join(STAGES)}")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results",
                         help="directory for gpu_check.json, gpu_check.md and gpu_check.log (default: $OUT, "

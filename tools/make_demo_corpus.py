@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="output folder (gets train.jsonl and valid.jsonl)")
     p.add_argument("--max-mb", type=float, default=5.0, help="stop after this many MB of text (default 5)")
-    p.add_argument("--valid-every", type=int, default=20, help="every N-th document goes to valid.jsonl")
+    p.add_argument("--valid-every", type=int, default=20, help="every N-th document goes to valid.jsonl (default 20)")
     args = p.parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
     t0 = time.perf_counter()

@@ -13,10 +13,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.data.indexed_writer import merge_datasets  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="prefixes to merge (without .bin/.idx)")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)

@@ -18,11 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.data.corpus_readers import TXT_MODES, expand_inputs  # noqa: E402
 from lnstrain.data.preprocess import PreprocessConfig, PreprocessStats, preprocess  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="input files or glob patterns")
     p.add_argument("--tokenizer", required=True, help="sentencepiece .model")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")

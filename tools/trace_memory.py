@@ -27,12 +27,13 @@ from lnstrain.benchmark.activation_trace import trace_activations  # noqa: E402
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
 from lnstrain.estimate.memory import GIB, element_bytes, layer_activation_bytes  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 MIB = 2**20
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True, help="run description (YAML)")
     add_override_argument(parser, "train.activation_checkpointing=full")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

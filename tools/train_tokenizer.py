@@ -19,11 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lnstrain.data.corpus_readers import TXT_MODES, expand_inputs  # noqa: E402
 from lnstrain.data.tokenizer import Tokenizer  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="input files or glob patterns")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)

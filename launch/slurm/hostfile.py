@@ -15,10 +15,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lnstrain.study.slurm import expand_nodelist, hostfile_text  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--slots", type=int, default=8, help="GPUs per node")
     parser.add_argument("--master", action="store_true", help="print only the first node's name")
     parser.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST", ""),

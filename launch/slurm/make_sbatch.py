@@ -22,10 +22,11 @@ from lnstrain.config.loader import from_dict  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
 from lnstrain.study.slurm import render_sbatch  # noqa: E402
 from lnstrain.study.spec import ClusterProfile  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in all (whole nodes)")
     parser.add_argument("--cluster", required=True, help="cluster profile YAML (configs/clusters/)")

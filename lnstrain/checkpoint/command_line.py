@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lnstrain.checkpoint.layouts import read_step_config, resolve_step_dir
 from lnstrain.config.run_config import Config
+from lnstrain.help_formatter import HelpFormatter
 
 
 def open_checkpoint_from_command_line(
@@ -21,7 +22,7 @@ def open_checkpoint_from_command_line(
     Returns (arguments, step directory, resolved run config); the weights are not read yet, so a
     tool can refuse a config first. ``args.allow_pickle`` is for ``read_full_state``.
     """
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir or global_step<N> dir")
     parser.add_argument("--output", required=True, help=output_help)
     if add_tool_arguments is not None:
