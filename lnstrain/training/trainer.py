@@ -190,7 +190,7 @@ class Trainer:
         self.metrics.record_step(StepMetrics(
             position.step, float(step.loss), float(step.lr), step.grad_norm, step.loss_scale, step.skipped,
             seconds, position.tokens_seen, position.nonfinite_steps, position.skipped_batches, position.loss_spikes),
-            log_now=position.step % config.logging.interval == 0)
+            log_now=position.step % config.logging.interval == 0 or position.step == self.total_steps)
         if depth_stats_now and step.skipped:  # overflow or non-finite: its statistics would be too
             self.depth_stats.disarm()
             logger.info("depth statistics of step %d not recorded: the step was skipped", position.step)
