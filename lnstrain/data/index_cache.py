@@ -56,7 +56,8 @@ class IndexCache:
         t0 = time.perf_counter()
         arrays = build()
         self._save(name, description, arrays)
-        logger.info("built index %s in %.2fs", self.marker(name), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        logger.log(logging.INFO if seconds >= 1 else logging.DEBUG, "built index %s in %.2fs", self.marker(name), seconds)
         loaded = self._load(name)
         assert loaded is not None
         return loaded
