@@ -54,7 +54,8 @@ class LoggingConfig:
     """Console and TensorBoard logging.
 
     Attributes:
-        interval: log a line (rank 0) and TensorBoard scalars every this many steps.
+        interval: log a line (rank 0) and TensorBoard scalars every this many steps, and at the first
+            step of each launch and the last step of the run.
         tensorboard: write TensorBoard event files under ``<run dir>/tensorboard``.
         depth_stats_interval: every this many steps, record per-layer statistics (residual
             variance, gradient norms, sublayer-to-residual ratios); 0 disables them. At the default

@@ -152,6 +152,7 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", _overcounted_kv_rows(config))
     module = _build_module(config, groups).to(training_device())  # before the optimizer picks its kernel
     if config.train.compile:
+        logger.info("train.compile: torch.compile compiles each transformer block during the first step")
         for block in module.modules():
             if isinstance(block, TransformerBlock):
                 block.compile()

@@ -79,7 +79,7 @@ class MetricsLogger:
         if metrics.skipped and metrics.loss_scale is not None:
             logger.warning("step %d skipped by the loss scaler (overflow); loss scale now %s",
                            metrics.step, metrics.loss_scale)
-        if not log_now:
+        if not log_now and self._steps_this_run > 1:  # the first step of a launch always: it shows the start worked
             return
         window, self._window = self._window, []
         if not self.is_writer:
