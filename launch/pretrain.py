@@ -29,6 +29,7 @@ from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 EXIT_BAD_CONFIG = 2
+logger = logging.getLogger("lnstrain.launch")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,9 +113,8 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    logging.getLogger("lnstrain.launch").info(
-        "starting torch.distributed (%s, %d rank(s), rendezvous at %s)%s", backend, world_size, address,
-        "; waiting for every rank" if world_size > 1 else "")
+    logger.info("starting torch.distributed (%s, %d rank(s), rendezvous at %s)%s", backend, world_size, address,
+                "; waiting for every rank" if world_size > 1 else "")
     name_cpu_accelerator_if_no_cuda()  # before DeepSpeed's first import, which would warn otherwise
     if verbose:
         from deepspeed.utils.logging import set_log_level_from_string
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     if not args.dry_run:
         configure_logging(rank, args.verbose)
-        logging.getLogger("lnstrain.launch").info("checking %s: config, data, tokenizer, output directories",
-                                                  args.config)
+        logger.info("checking %s: config, data, tokenizer, output directories", args.config)
     try:
         if args.dry_run:
             dry_run(args, overrides, world_size)
@@ -157,18 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         fail(problems, args.config)
 
-    log = logging.getLogger("lnstrain.launch")
-    log.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
+    logger.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
     configure_threads(int(local_ranks))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.training.trainer import pretrain
 
     result = pretrain(config, world_size)
-    log.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
-             result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
+    logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
+                result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
-        log.info("TensorBoard: tensorboard --logdir %s", config.run.dir / "tensorboard")
+        logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / "tensorboard")
     import torch.distributed as dist
 
     if dist.is_initialized():

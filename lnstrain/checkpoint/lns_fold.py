@@ -87,7 +87,11 @@ def unfold_factors(record: dict | None, cfg: ModelConfig, unfold: bool | None, s
     if not unfold:
         return None
     if folded is not None:  # undo exactly what the export did
-        return [(f, 1.0) if folded == NormScheme.LNS else (1.0, f) for f in record["layer_factors"]]
+        recorded = record.get("layer_factors") or []
+        if len(recorded) != cfg.num_layers:
+            raise ValueError(f"{source}: config.json's lnstrain.layer_factors has {len(recorded)} entries for "
+                             f"{cfg.num_layers} layers")
+        return [(float(f), 1.0) if folded == NormScheme.LNS else (1.0, float(f)) for f in recorded]
     return [layer_factors(cfg, n) for n in range(1, cfg.num_layers + 1)]
 
 
@@ -105,7 +109,7 @@ def _automatic_decision(record: dict | None, folded: NormScheme | None, scheme: 
         return logging.WARNING, (f"config.json records folded {folded.value} factors, but norm_scheme="
                                  f"{scheme.value}: the model computes a different function than the checkpoint did")
     if scheme not in _FOLDED_INTO:
-        return logging.INFO, "a plain LLaMA checkpoint into norm_scheme=pre_ln"
+        return logging.INFO, "nothing folded, nothing to unfold into norm_scheme=pre_ln"
     if record:
         return logging.WARNING, f"config.json records an lnstrain {record.get('norm_scheme')} export: {twice}"
     return logging.WARNING, (f"config.json has no lnstrain record of folded LNS factors: {twice} (if it is an "
