@@ -23,6 +23,7 @@ def token_id_range(prefix: str) -> tuple[int, int]:
             return int(cached["min"]), int(cached["max"])
     except (OSError, ValueError, KeyError):
         pass
+    logger.info("reading %s.bin for its smallest and largest token id (once: cached in %s)", prefix, cache_path)
     tokens = IndexedDataset(prefix).token_array()
     lo, hi = 0, -1
     for start in range(0, len(tokens), _CHUNK):
