@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lnstrain.analysis.claims import claims_console, evaluate_claims  # noqa: E402
+from lnstrain.analysis.claims import REFERENCE_SCHEME, claims_console, evaluate_claims  # noqa: E402
 from lnstrain.analysis.depth_analysis import DEFAULT_NEAR_IDENTITY_THRESHOLD, DepthAnalysis, analyze_model  # noqa: E402
 from lnstrain.analysis.eval_data import validation_batches  # noqa: E402
 from lnstrain.analysis.model_loading import load_for_analysis  # noqa: E402
@@ -131,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         s = run.summary
         print(f"{run.name}: loss {run.baseline.loss:.4f}, {s.num_near_identity}/{run.num_layers} near-identity "
               f"layers (ΔP < {s.near_identity_threshold:g}), deepest half carries {s.deep_half_share:.1%} of ΔP")
-    if claims:
+    testable = [c for c in claims if c.holds is not None]
+    if testable:
         print("the paper's claims, verdicts computed from these runs (runs of one scheme are seeds):")
-        print(claims_console(claims))
+        print(claims_console(testable))
+    untestable = sorted({c.id for c in claims if c.holds is None})
+    if untestable:
+        print(f"not testable without a {REFERENCE_SCHEME} run: {', '.join(untestable)} (compare with --compare)")
     print(f"report: {report}")
     return 0
 
