@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Where does the LNS paper's pruning claim turn? The depth study of docs/depth_analysis.md: builds a
 # ~30 MB docstring corpus (stdlib and installed packages, no download), trains Pre-LN, LNS and
-# lns_gain_init at the depth demo's size (configs/studies/depth_turn*.yaml, one run after another,
+# lns_gain_init at the depth demo's size (configs/studies/depth_turn.yaml, one run after another,
 # one thread each, niced), then analyses every run's checkpoints and compares the schemes.
 #
 #     launch/depth_study.sh                 # everything: hours on a 2-core CPU; rerunning resumes
 #     launch/depth_study.sh collect         # only the analyses and reports of what has finished
 #
 # Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
-# depth_study/runs/_study/ (results.md, depth/...).
+# depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
 WORK=depth_study
-STUDIES=(configs/studies/depth_turn.yaml configs/studies/depth_turn_seeds.yaml)
+STUDY=configs/studies/depth_turn.yaml
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 if [[ ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ]]; then
@@ -30,12 +30,8 @@ if [[ ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ]]; then
 fi
 
 if [[ "${1:-run}" != collect ]]; then
-    for study in "${STUDIES[@]}"; do
-        echo "== training $study (one run after another; rerunning resumes)"
-        nice -n 19 "$PYTHON" launch/scaling_study.py run "$study" || echo "!! $study: some runs failed (see their launch.log)"
-    done
+    echo "== training $STUDY (one run after another; rerunning resumes)"
+    nice -n 19 "$PYTHON" launch/scaling_study.py run "$STUDY" || echo "!! some runs failed (see their launch.log)"
 fi
-for study in "${STUDIES[@]}"; do
-    echo "== collecting $study"
-    nice -n 19 "$PYTHON" launch/scaling_study.py collect "$study"
-done
+echo "== collecting $STUDY"
+nice -n 19 "$PYTHON" launch/scaling_study.py collect "$STUDY"

@@ -57,8 +57,9 @@ def compose_run_config(study: Study, size: str, scheme: str, seed: int, variant:
 
 
 def study_runs(study: Study) -> list[StudyRun]:
-    """Every run, sizes in the study's order, then variants, then schemes, then seeds."""
+    """Every run: sizes in the study's order, then variants, then seeds, then schemes, so that a study
+    run one after another (or cut short) completes whole scheme comparisons, one seed at a time."""
     spec = study.spec
     return [StudyRun(size, scheme, seed, compose_run_config(study, size, scheme, seed, variant), variant)
             for size in spec.sizes for variant in (list(spec.variants) or [""])
-            for scheme in spec.schemes for seed in spec.seeds]
+            for seed in spec.seeds for scheme in spec.schemes]

@@ -21,16 +21,17 @@ REPO = Path(__file__).resolve().parents[2]
 def test_variants_are_an_axis_with_their_own_overrides():
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
     runs = study_runs(study)
-    assert [r.name for r in runs[:4]] == ["depth16x64_pre_ln_lr3e-3_s1234", "depth16x64_lns_lr3e-3_s1234",
-                                          "depth16x64_lns_gain_init_lr3e-3_s1234",
-                                          "depth16x64_pre_ln_lr3e-3-300steps_s1234"]
+    assert [r.name for r in runs[:7]] == [  # seed by seed: a study cut short holds whole comparisons
+        "depth16x64_pre_ln_lr3e-3_s1234", "depth16x64_lns_lr3e-3_s1234", "depth16x64_lns_gain_init_lr3e-3_s1234",
+        "depth16x64_pre_ln_lr3e-3_s1235", "depth16x64_lns_lr3e-3_s1235", "depth16x64_lns_gain_init_lr3e-3_s1235",
+        "depth16x64_pre_ln_lr3e-3-300steps_s1234"]
     by_name = {r.name: r.config for r in runs}
     assert by_name["depth16x64_lns_lr1e-3_s1234"].optim.lr == 1e-3
     assert by_name["depth16x64_lns_lr1e-3_s1234"].train.steps == 7200
     short = by_name["depth16x64_lns_gain_init_lr3e-3-1200steps_s1234"]
     assert (short.train.steps, short.optim.lr, short.model.norm_scheme.value) == (1200, 3e-3, "lns_gain_init")
     assert short.run.dir == Path("depth_study/runs/depth16x64_lns_gain_init_lr3e-3-1200steps_s1234")
-    assert len(runs) == 12 and all(p.error == "" for p in plan_study(study))
+    assert len(runs) == 24 and all(p.error == "" for p in plan_study(study))
 
 
 def test_variant_names_and_depth_reference_are_checked(tmp_path):
@@ -67,6 +68,7 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
     study.spec.output_dir = str(tmp_path)
     study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
+    study.spec.seeds = [1234]
     deep = {("pre_ln", 300): 0.05, ("pre_ln", 600): 0.05, ("lns", 300): 0.01, ("lns", 600): 0.08,
             ("lns_gain_init", 300): 0.06, ("lns_gain_init", 600): 0.09}
 
