@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="output folder (gets train.jsonl and valid.jsonl)")
     p.add_argument("--max-mb", type=float, default=5.0, help="stop after this many MB of text (default 5)")
-    p.add_argument("--valid-every", type=int, default=20, help="every N-th document goes to valid.jsonl")
+    p.add_argument("--valid-every", type=int, default=20, help="every N-th document goes to valid.jsonl (default 20)")
     p.add_argument("--site-packages", action="store_true",
                    help="after the stdlib, the installed packages' docstrings (repeated documents kept once)")
     args = p.parse_args(argv)
