@@ -216,7 +216,8 @@ def _evaluate(claim: Claim, scheme: str, by_scheme: dict[str, list[DepthAnalysis
 def evaluate_claims(runs: Sequence[DepthAnalysis], claims: Sequence[Claim] = CLAIMS,
                     reference: str = REFERENCE_SCHEME) -> list[ClaimResult]:
     """Every claim whose subject scheme is among the runs, in the order of ``claims``; claims about
-    LNS once for each LNS-family scheme present. Runs of one scheme are seeds."""
+    LNS once for each LNS-family scheme present. Runs of one scheme are seeds. ``reference``: the
+    scheme LNS is compared with (the paper's Pre-LN by default); claims about Pre-LN alone stay so."""
     by_scheme: dict[str, list[DepthAnalysis]] = {}
     for run in runs:
         by_scheme.setdefault(run.norm_scheme, []).append(run)
@@ -224,8 +225,7 @@ def evaluate_claims(runs: Sequence[DepthAnalysis], claims: Sequence[Claim] = CLA
     results = []
     for claim in claims:
         claim = dataclasses.replace(claim, against=reference) if claim.against == REFERENCE_SCHEME else claim
-        subject = reference if claim.subject == REFERENCE_SCHEME else claim.subject
-        schemes = lns_like if subject == "lns" else [subject] if subject in by_scheme else []
+        schemes = lns_like if claim.subject == "lns" else [claim.subject] if claim.subject in by_scheme else []
         results += [_evaluate(claim, scheme, by_scheme) for scheme in schemes]
     return results
 

@@ -105,6 +105,10 @@ def test_missing_schemes_and_lns_variants():
     schemes = {r.scheme for r in results}
     assert schemes == {"pre_ln", "lns", "lns_gain_init"}  # Post-LN is no stand-in for LNS
     assert by_id(results, "lns_gain_init")["lns_lowers_loss"].expected == "lns_gain_init < pre_ln"
+    against_post = by_id(evaluate_claims([synthetic("post", "post_ln", loss=5.5), synthetic("lns", "lns")],
+                                         reference="post_ln"))
+    assert against_post["lns_lowers_loss"].expected == "lns < post_ln" and against_post["lns_lowers_loss"].holds
+    assert "pre_ln_variance_grows" not in against_post  # claims about Pre-LN alone need a Pre-LN run
 
 
 def test_report_json_and_tool_carry_the_claims(tmp_path, capsys):
