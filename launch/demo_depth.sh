@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The Curse of Depth, seen on your CPU in minutes: train a deep, narrow model (16 layers of width 64)
 # with Pre-LN and with LayerNorm Scaling on the demo corpus, then compare them layer by layer with
-# tools/analyze_depth.py (output variance by depth, angular distance between layers, layer pruning).
+# tools/analyze_depth.py (output variance by depth, angular distance between layers, layer pruning)
+# and check the LNS paper's claims on them: each verdict is computed from these runs.
 #
 #     launch/demo_depth.sh                          # -> demo_workdir/depth_compare/report.md
-#     launch/demo_depth.sh --set train.steps=100    # extra arguments go to both training runs
+#     launch/demo_depth.sh --set train.steps=100    # extra arguments go to every training run
+#     DEPTH_SEEDS="1234 1235" launch/demo_depth.sh  # several seeds per scheme: verdicts with their spread
 #     DEPTH_OUT=/tmp/depth launch/demo_depth.sh     # runs and reports somewhere else
+#     DEMO_WORKDIR=/tmp/demo launch/demo_depth.sh   # the demo data (and by default everything) there
 #
 # Reuses launch/demo.sh's corpus, tokenizer and token files in demo_workdir/ (built here if missing).
 # Rerunning skips finished runs.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-WORK=demo_workdir
+WORK=${DEMO_WORKDIR:-demo_workdir}
 OUT=${DEPTH_OUT:-$WORK}
 PYTHON=${PYTHON:-python}
+SEEDS=(${DEPTH_SEEDS:-1234})
 # Idle OpenMP threads sleep instead of spinning: on a busy CPU, spinning threads slowed the demo ~10x.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
@@ -30,16 +34,34 @@ if [[ ! -s "$WORK/data/demo_train.idx" || ! -s "$WORK/data/demo_valid.idx" || ! 
     done
 fi
 
+DATA=()
+if [[ "$WORK" != demo_workdir ]]; then  # configs/demo_depth.yaml names demo_workdir/
+    DATA=(--set "data.sources=[{prefix: '$WORK/data/demo_train'}]"
+          --set "data.valid_sources=[{prefix: '$WORK/data/demo_valid'}]"
+          --set "data.tokenizer='$WORK/tokenizer/demo.model'")
+fi
+ANALYSES=()
+NAMES=()
 for scheme in pre_ln lns; do
-    echo "== training the $scheme model (configs/demo_depth_$scheme.yaml)"
-    "$PYTHON" launch/pretrain.py --config "configs/demo_depth_$scheme.yaml" --set "run.output_dir=$OUT/runs" "$@"
+    for seed in "${SEEDS[@]}"; do
+        run=demo_depth_$scheme
+        name=$scheme
+        if (( ${#SEEDS[@]} > 1 )); then
+            run=${run}_s$seed
+            name=${name}_s$seed
+        fi
+        echo "== training the $scheme model, seed $seed (configs/demo_depth_$scheme.yaml)"
+        "$PYTHON" launch/pretrain.py --config "configs/demo_depth_$scheme.yaml" ${DATA[@]+"${DATA[@]}"} --set "run.output_dir=$OUT/runs" \
+            --set "run.name=$run" --set "train.seed=$seed" --set "model.init_seed=$seed" "$@"
+        echo "== analysing $run"
+        "$PYTHON" tools/analyze_depth.py --checkpoint "$OUT/runs/$run/checkpoints" --data "$WORK/data/demo_valid" \
+            --num-samples 64 --name "$name" --output "$OUT/depth_$name" > "$OUT/depth_$name.log" 2>&1 ||
+            { cat "$OUT/depth_$name.log"; exit 1; }
+        ANALYSES+=("$OUT/depth_$name")
+        NAMES+=("$name")
+    done
 done
 
-echo "== comparing the two runs layer by layer"
-for scheme in pre_ln lns; do
-    "$PYTHON" tools/analyze_depth.py --checkpoint "$OUT/runs/demo_depth_$scheme/checkpoints" \
-        --data "$WORK/data/demo_valid" --num-samples 64 --name "$scheme" --output "$OUT/depth_$scheme"
-done
-"$PYTHON" tools/analyze_depth.py --compare "$OUT/depth_pre_ln" "$OUT/depth_lns" --names Pre-LN LNS \
-    --output "$OUT/depth_compare"
+echo "== comparing the runs layer by layer, and checking the paper's claims on them"
+"$PYTHON" tools/analyze_depth.py --compare "${ANALYSES[@]}" --names "${NAMES[@]}" --output "$OUT/depth_compare"
 echo "== done: $OUT/depth_compare/report.md (TensorBoard: tensorboard --logdir $OUT/runs)"

@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Plan, launch and summarise a scaling study (sizes × norm schemes × seeds).
+"""Plan, launch and summarise a scaling study (sizes × variants × norm schemes × seeds).
 
     python launch/scaling_study.py plan    configs/studies/lns_scaling.yaml   # runs, layouts, memory, GPU-hours
     python launch/scaling_study.py run     configs/studies/lns_scaling.yaml   # launch unfinished runs (resumes)
     python launch/scaling_study.py collect configs/studies/lns_scaling.yaml   # results.csv, results.md, scaling.png
+
+With a ``depth`` section in the study, ``collect`` also analyses the runs' checkpoints with the depth
+analysis and checks the LNS paper's claims at every training length (docs/depth_analysis.md).
 
 ``plan`` exits 1 when a run fits no layout; ``run`` launches nothing then (``--skip-refused``
 launches the others) and exits 1 if any run failed. Plans and results go to
@@ -68,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, files = collect_results(planned, report_dir, study.spec.sizes, study.spec.schemes,
                                   f"Study '{study.spec.name}': final validation loss")
     print(files["markdown"].read_text(encoding="utf-8"))
+    if study.spec.depth is not None:
+        from lnstrain.study.depth import collect_depth
+
+        depth_files = collect_depth(study, [p for p in planned if not p.error])
+        print(depth_files["depth report"].read_text(encoding="utf-8"))
+        files.update(depth_files)
     print("\n".join(f"wrote {path}" for path in files.values()))
     if "plot" not in files:
         print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)

@@ -11,6 +11,11 @@ layer l alone is skipped). Writes JSON, CSV, a Markdown report and (with matplot
     python tools/analyze_depth.py --state-dict lns.pt --config configs/demo.yaml --data data/valid --output out/lns
     # Pre-LN and LNS side by side, from two finished analyses (or two checkpoints, given --data)
     python tools/analyze_depth.py --compare out/pre_ln out/lns --output out/compare
+    # several seeds per scheme: runs of one norm scheme are seeds in the claim verdicts
+    python tools/analyze_depth.py --compare out/pre_ln_s1 out/pre_ln_s2 out/lns_s1 out/lns_s2 --output out/compare
+
+Every report carries the paper's claims with verdicts computed from the runs (lnstrain/analysis/claims.py):
+a `claims` list in depth_analysis.json, a table in report.md, and the same on the console.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lnstrain.analysis.claims import REFERENCE_SCHEME, claims_console, evaluate_claims  # noqa: E402
 from lnstrain.analysis.depth_analysis import DEFAULT_NEAR_IDENTITY_THRESHOLD, DepthAnalysis, analyze_model  # noqa: E402
 from lnstrain.analysis.eval_data import validation_batches  # noqa: E402
 from lnstrain.analysis.model_loading import load_for_analysis  # noqa: E402
@@ -39,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--config", help="the run's YAML config (with --state-dict)")
     add_override_argument(source, "model.norm_scheme=lns")
     p.add_argument("--compare", nargs="+", metavar="RUN",
-                   help="runs to put side by side: analysis folders/JSON files, or checkpoints (need --data)")
+                   help="runs to put side by side: analysis folders/JSON files, or checkpoints (need --data); "
+                        "runs of the same norm scheme count as seeds in the claim verdicts")
     p.add_argument("--names", nargs="+", help="display names of the runs (default: saved names, or run.name)")
     p.add_argument("--name", help="display name of the single run (default: its norm scheme)")
     data = p.add_argument_group("validation data")
@@ -113,11 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = [analyze_one(args, args.name, checkpoint=args.checkpoint, state_dict=args.state_dict,
                             config=args.config)]
-    report = write_report(runs, args.output, plots=not args.no_plots)
+    duplicates = sorted({run.name for run in runs if [r.name for r in runs].count(run.name) > 1})
+    if duplicates:
+        print(f"analyze_depth: several runs are named {', '.join(duplicates)}; give each its own name with "
+              f"--names (one per --compare run)", file=sys.stderr)
+        return 2
+    claims = evaluate_claims(runs)
+    report = write_report(runs, args.output, plots=not args.no_plots, claims=claims)
     for run in runs:
         s = run.summary
         print(f"{run.name}: loss {run.baseline.loss:.4f}, {s.num_near_identity}/{run.num_layers} near-identity "
               f"layers (ΔP < {s.near_identity_threshold:g}), deepest half carries {s.deep_half_share:.1%} of ΔP")
+    testable = [c for c in claims if c.holds is not None]
+    if testable:
+        print("the paper's claims, verdicts computed from these runs (runs of one scheme are seeds):")
+        print(claims_console(testable))
+    untestable = sorted({c.id for c in claims if c.holds is None})
+    if untestable:
+        print(f"not testable without a {REFERENCE_SCHEME} run: {', '.join(untestable)} (compare with --compare)")
     print(f"report: {report}")
     return 0
 

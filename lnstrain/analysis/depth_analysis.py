@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 
 from lnstrain.analysis.angular import AngularDistanceAccumulator, distance_by_offset
 from lnstrain.analysis.pruning import EvalResult, LayerPruning, MultipleChoiceItem, layer_pruning
-from lnstrain.analysis.representations import Batch, iterate_residual_streams
+from lnstrain.analysis.representations import Batch, iterate_residual_streams, transformer_blocks
 from lnstrain.analysis.variance import VarianceAccumulator
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class DepthAnalysis:
     baseline: EvalResult
     pruning: list[LayerPruning]
     summary: DepthSummary
+    norm_gains: list[list[float]] = field(default_factory=list)
+    """[L][2]: mean |effective gain| of layer l's attention and MLP norms (the learned gain times any
+    factor the scheme applies to the norm's output, e.g. LNS's 1/sqrt(l)); empty in older analyses."""
 
     def distance_by_offset(self) -> list[list[float | None]]:
         return distance_by_offset(torch.tensor(self.angular_distance))
@@ -81,6 +84,12 @@ def summarize(pruning: Sequence[LayerPruning], threshold: float = DEFAULT_NEAR_I
                         deep_half_share=sum(deep) / total if total > 0 else 0.0)
 
 
+def effective_norm_gains(model: nn.Module) -> list[list[float]]:
+    """[L][2]: mean |gain × output scale| of each layer's attention and MLP norm."""
+    return [[float(norm.weight.detach().abs().mean()) * getattr(norm, "output_scale", 1.0)
+             for norm in (block.attention_norm, block.mlp_norm)] for block in transformer_blocks(model)]
+
+
 def measure_representations(model: nn.Module, batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
     """(output variance per state, [L + 1, L + 1] angular distances), in one pass over the batches."""
     variance, angular = VarianceAccumulator(), AngularDistanceAccumulator()
@@ -102,4 +111,5 @@ def analyze_model(model: nn.Module, batches: Sequence[Batch], *, name: str = "mo
     baseline, pruning = layer_pruning(model, batches, items, cfg.max_seq_len)
     return DepthAnalysis(name=name, num_layers=cfg.num_layers, norm_scheme=scheme, validation_tokens=baseline.tokens,
                          output_variance=output_variance, angular_distance=angular, baseline=baseline,
-                         pruning=pruning, summary=summarize(pruning, near_identity_threshold))
+                         pruning=pruning, summary=summarize(pruning, near_identity_threshold),
+                         norm_gains=effective_norm_gains(model))

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (and a warning) when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -32,7 +33,7 @@ def file_stem(name: str) -> str:
 
 def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     """Write variance.png, pruning.png and angular_<run>.png; return their file names."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     names = []

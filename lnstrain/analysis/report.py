@@ -3,7 +3,7 @@
 One analysis gives a single-run report; several (e.g. Pre-LN and LNS) give one report with the
 runs side by side. Files in the output folder:
 
-    depth_analysis.json         {"runs": [DepthAnalysis.to_dict(), ...]}
+    depth_analysis.json         {"runs": [DepthAnalysis.to_dict(), ...], "claims": [ClaimResult.to_dict(), ...]}
     <run>_variance.csv          layer, output_variance           (layer 0: embedding output)
     <run>_angular.csv           layer, offset, angular_distance  (states entering l and l + offset)
     <run>_pruning.csv           layer, loss, perplexity, delta_loss, delta_perplexity, accuracy, delta_accuracy
@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from lnstrain.analysis.claims import ClaimResult, claims_table, evaluate_claims
 from lnstrain.analysis.depth_analysis import DepthAnalysis
 from lnstrain.analysis.plots import file_stem, write_plots
 
@@ -103,13 +104,19 @@ def _per_layer_table(runs: Sequence[DepthAnalysis]) -> list[str]:
     return lines
 
 
-def markdown_report(runs: Sequence[DepthAnalysis], plots: Sequence[str]) -> str:
+def markdown_report(runs: Sequence[DepthAnalysis], plots: Sequence[str],
+                    claims: Sequence[ClaimResult] = ()) -> str:
     title = " vs ".join(r.name for r in runs)
     lines = [f"# Depth analysis: {title}", "",
              "ΔP(l): increase of the validation loss when layer l alone is replaced by the identity. "
              "d(l, l+1): mean angular distance (arccos of the cosine similarity / π) between the residual "
              "stream entering layer l and entering layer l + 1. Variance: of layer l's output, over all "
              "tokens and channels.", "", "## Summary", "", *_summary_table(runs), ""]
+    if claims:
+        lines += ["## The paper's claims, checked", "",
+                  "Each verdict is computed from the runs above (runs of one norm scheme are seeds; verdicts "
+                  "compare seed means). See docs/depth_analysis.md for how each statistic is defined.", "",
+                  *claims_table(claims), ""]
     for name in plots:
         lines += [f"![{name}]({name})", ""]
     lines += ["## Per layer", "", *_per_layer_table(runs), ""]
@@ -118,20 +125,24 @@ def markdown_report(runs: Sequence[DepthAnalysis], plots: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_report(runs: Sequence[DepthAnalysis], out_dir: str | Path, plots: bool = True) -> Path:
-    """Write every output for one or more runs; returns the Markdown report's path."""
+def write_report(runs: Sequence[DepthAnalysis], out_dir: str | Path, plots: bool = True,
+                 claims: Sequence[ClaimResult] | None = None) -> Path:
+    """Write every output for one or more runs; returns the Markdown report's path. ``claims``
+    defaults to every claim the runs can test (``claims.evaluate_claims``)."""
     if not runs:
         raise ValueError("no analyses to report")
     if len({file_stem(r.name) for r in runs}) != len(runs):
         raise ValueError(f"run names must differ: {[r.name for r in runs]}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    claims = evaluate_claims(runs) if claims is None else claims
     (out_dir / "depth_analysis.json").write_text(
-        json.dumps({"runs": [r.to_dict() for r in runs]}, indent=1), encoding="utf-8")
+        json.dumps({"runs": [r.to_dict() for r in runs], "claims": [c.to_dict() for c in claims]}, indent=1),
+        encoding="utf-8")
     for run in runs:
         write_csvs(run, out_dir)
     plot_names = write_plots(runs, out_dir) if plots else []
     report = out_dir / "report.md"
-    report.write_text(markdown_report(runs, plot_names), encoding="utf-8")
+    report.write_text(markdown_report(runs, plot_names, claims), encoding="utf-8")
     logger.info("depth report written to %s", report)
     return report

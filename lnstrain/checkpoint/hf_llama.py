@@ -12,6 +12,7 @@ Exact correspondences (checked against ``transformers`` by tests/checkpoint/test
     (config.json records the fold; ``lns_fold`` unfolds it on import).
     ``lns_after_sublayer`` multiplies the sublayer's output, i.e. the last linear map of each
     sublayer: the factor is folded into ``o_proj`` and ``down_proj``. The final norm is never scaled.
+    ``lns_gain_init`` applies no factor (1/√ℓ is only its gains' initial value): exported as is, like Pre-LN.
   * the padded vocabulary rows are dropped; ``vocab_size`` is the tokenizer's.
 Schemes whose blocks plain LLaMA code cannot compute are refused (``export_problems``).
 """
@@ -38,7 +39,7 @@ _REFUSED = {
     NormScheme.LAYERSCALE: "LayerScale multiplies each sublayer's output by a learned per-channel gain; "
                            "LLaMA has no such parameter",
 }
-EXPORTABLE = (NormScheme.PRE_LN, NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER)
+EXPORTABLE = (NormScheme.PRE_LN, NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER, NormScheme.LNS_GAIN_INIT)
 
 
 def export_problems(cfg: ModelConfig) -> list[str]:

@@ -102,14 +102,14 @@ def _automatic_decision(record: dict | None, folded: NormScheme | None, scheme: 
     if folded is not None and folded == scheme:
         return logging.INFO, (f"config.json records that lnstrain folded {scheme.value}'s 1/sqrt(l) into "
                               f"{', '.join(record['lns_folded_into'])}; {override}")
-    if folded is not None and scheme == NormScheme.PRE_LN:
-        return logging.INFO, (f"config.json records folded {folded.value} factors; norm_scheme=pre_ln computes what "
-                              "the exported model computes")
+    if folded is not None and scheme not in _FOLDED_INTO:
+        return logging.INFO, (f"config.json records folded {folded.value} factors; norm_scheme={scheme.value} "
+                              "applies no factor, so it computes what the exported model computes")
     if folded is not None:
         return logging.WARNING, (f"config.json records folded {folded.value} factors, but norm_scheme="
                                  f"{scheme.value}: the model computes a different function than the checkpoint did")
     if scheme not in _FOLDED_INTO:
-        return logging.INFO, "nothing folded, nothing to unfold into norm_scheme=pre_ln"
+        return logging.INFO, f"nothing folded, nothing to unfold into norm_scheme={scheme.value}"
     if record:
         return logging.WARNING, f"config.json records an lnstrain {record.get('norm_scheme')} export: {twice}"
     return logging.WARNING, (f"config.json has no lnstrain record of folded LNS factors: {twice} (if it is an "

@@ -41,7 +41,8 @@ class TransformerBlock(nn.Module):
     """Attention then MLP, each wrapped by the layout's norms and residual.
 
     Pre:      x + s * f(norm(x))            (LNS: norm's output times 1/sqrt(l), s = 1;
-                                             LNS after the sublayer: s = 1/sqrt(l))
+                                             LNS after the sublayer: s = 1/sqrt(l);
+                                             LNS gain init: norm's gain starts at 1/sqrt(l))
     Post:     norm(alpha * x + f(x))        (Post-LN: alpha = 1; DeepNorm: alpha = (2N)^(1/4))
     Sandwich: x + norm_out(f(norm_in(x)))
     LayerScale adds a learnable gain on f's output in the Pre placement.
@@ -64,10 +65,10 @@ class TransformerBlock(nn.Module):
         self.layout = block_layout(cfg, layer_number)
         self.checkpoint_activations = False
 
-        norm_scale = self.layout.norm_output_scale
-        self.attention_norm = build_norm(cfg, norm_scale)
+        norm_scale, gain_init = self.layout.norm_output_scale, self.layout.norm_gain_init
+        self.attention_norm = build_norm(cfg, norm_scale, gain_init)
         self.attention = Attention(cfg, groups)
-        self.mlp_norm = build_norm(cfg, norm_scale)
+        self.mlp_norm = build_norm(cfg, norm_scale, gain_init)
         self.mlp = SwiGLUMLP(cfg, groups)
         sandwich = self.layout.placement == Placement.SANDWICH
         self.attention_output_norm = build_norm(cfg) if sandwich else None
@@ -80,7 +81,8 @@ class TransformerBlock(nn.Module):
 
     @property
     def lns_factor(self) -> float:
-        """The LayerNorm Scaling factor this layer applies (1.0 when the scheme has none)."""
+        """The LayerNorm Scaling factor this layer applies (1.0 when the scheme has none, and under
+        ``lns_gain_init``, whose 1/sqrt(l) is only the gains' initial value)."""
         return self.layout.norm_output_scale * self.layout.sublayer_output_scale
 
     def set_activation_checkpointing(self, mode: str) -> None:

@@ -17,6 +17,7 @@ class NormScheme(str, enum.Enum):
     PRE_LN = "pre_ln"
     LNS = "lns"  # Pre-LN, each pre-sublayer norm's output times 1/sqrt(layer_number)
     LNS_AFTER_SUBLAYER = "lns_after_sublayer"  # Pre-LN, each sublayer's output times 1/sqrt(layer_number)
+    LNS_GAIN_INIT = "lns_gain_init"  # Pre-LN, pre-sublayer norm gains start at 1/sqrt(layer_number), no factor
     POST_LN = "post_ln"
     DEEPNORM = "deepnorm"
     MIX_LN = "mix_ln"  # first floor(mix_ln_alpha * num_layers) layers Post-LN, the rest Pre-LN

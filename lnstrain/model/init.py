@@ -12,7 +12,8 @@ on the meta device, materialise, and call `init_weights` on each rank's own stag
 Standard deviations: normal(0, init_std) everywhere; output projections (o, down) are
 divided by sqrt(2 * num_layers) when `scaled_init`; under DeepNorm the v, o, gate, up and
 down weights are multiplied by beta = (8N)^(-1/4) (DeepNet's decoder-only rule, applied to
-our normal init instead of Xavier). Padded vocabulary rows are zero. Norm gains are one,
+our normal init instead of Xavier). Padded vocabulary rows are zero. Norm gains are one (under
+`lns_gain_init` the pre-sublayer gains of layer l start at 1/sqrt(l) instead),
 biases zero, LayerScale gains their initial value.
 """
 

@@ -2,7 +2,10 @@
 
 `block_layout(cfg, layer_number)` turns the config's `norm_scheme` into a small, plain
 description of one block; `TransformerBlock` follows it. LayerNorm Scaling lives in
-`lns_factor`, called once, in `block_layout`.
+`lns_factor`, called once, in `block_layout`: `lns` applies it to the pre-sublayer norms' output,
+`lns_after_sublayer` to the sublayers' output, and `lns_gain_init` only uses it as the initial
+value of the pre-sublayer norms' (learned) gains, so it computes the same function as `lns` at
+step 0 while Adam updates those gains at full speed instead of at lr/sqrt(l).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class BlockLayout:
     """Post placement only: the residual branch is alpha * x (DeepNorm)."""
     layerscale_init: float | None = None
     """Learnable per-channel gain on the sublayer output, with this initial value."""
+    norm_gain_init: float = 1.0
+    """Initial value of the pre-sublayer norms' gains (a starting point, not a factor applied)."""
 
 
 def lns_factor(layer_number: int) -> float:
@@ -71,10 +76,12 @@ def num_post_ln_layers(cfg: ModelConfig) -> int:
 
 def block_layout(cfg: ModelConfig, layer_number: int) -> BlockLayout:
     scheme = NormScheme(cfg.norm_scheme)
-    if scheme in (NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER):
+    if scheme in (NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER, NormScheme.LNS_GAIN_INIT):
         factor = lns_factor(layer_number)
         if scheme == NormScheme.LNS:
             return BlockLayout(Placement.PRE, norm_output_scale=factor)
+        if scheme == NormScheme.LNS_GAIN_INIT:
+            return BlockLayout(Placement.PRE, norm_gain_init=factor)
         return BlockLayout(Placement.PRE, sublayer_output_scale=factor)
     if scheme == NormScheme.PRE_LN:
         return BlockLayout(Placement.PRE)

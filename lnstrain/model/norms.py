@@ -42,11 +42,12 @@ TORCH_FUSED_RMS_NORM_ON_CUDA = _has_kernel("aten::_fused_rms_norm_backward", "CU
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0) -> None:
+    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0, gain_init: float = 1.0) -> None:
         super().__init__()
         self.eps = eps
         self.output_scale = float(output_scale)
-        self.weight = nn.Parameter(torch.ones(size))
+        self.gain_init = float(gain_init)
+        self.weight = nn.Parameter(torch.full((size,), self.gain_init))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
@@ -60,18 +61,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, weight.shape, gain, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.gain_init)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0) -> None:
+    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0, gain_init: float = 1.0) -> None:
         super().__init__()
         self.eps = eps
         self.output_scale = float(output_scale)
-        self.weight = nn.Parameter(torch.ones(size))
+        self.gain_init = float(gain_init)
+        self.weight = nn.Parameter(torch.full((size,), self.gain_init))
         self.bias = nn.Parameter(torch.zeros(size))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -83,13 +85,13 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, weight.shape, weight, bias, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.gain_init)
         nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
 
 
-def build_norm(cfg: ModelConfig, output_scale: float = 1.0) -> RMSNorm | LayerNorm:
+def build_norm(cfg: ModelConfig, output_scale: float = 1.0, gain_init: float = 1.0) -> RMSNorm | LayerNorm:
     norm_class = RMSNorm if cfg.norm_type == "rmsnorm" else LayerNorm
-    return norm_class(cfg.hidden_size, cfg.norm_eps, output_scale)
+    return norm_class(cfg.hidden_size, cfg.norm_eps, output_scale, gain_init)

@@ -17,14 +17,14 @@ from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
 
 logger = logging.getLogger(__name__)
-COLUMNS = ["run", "size", "scheme", "seed", "parameters", "non_embedding_parameters", "step", "tokens",
+COLUMNS = ["run", "size", "scheme", "variant", "seed", "parameters", "non_embedding_parameters", "step", "tokens",
            "eval_loss", "eval_ppl", "status"]
 
 
 def read_result(planned: PlannedRun) -> dict:
     """One CSV row for a run; ``status`` is ``done`` or ``missing``."""
     run = planned.run
-    row = {"run": run.name, "size": run.size, "scheme": run.scheme, "seed": run.seed,
+    row = {"run": run.name, "size": run.size, "scheme": run.scheme, "variant": run.variant, "seed": run.seed,
            "parameters": planned.parameters, "non_embedding_parameters": planned.non_embedding_parameters,
            "step": "", "tokens": "", "eval_loss": "", "eval_ppl": "", "status": "missing"}
     metrics = final_metrics(planned.config.run.dir, planned.config.total_steps)
@@ -33,12 +33,17 @@ def read_result(planned: PlannedRun) -> dict:
     return row
 
 
+def series(row: dict) -> str:
+    """The line a run belongs to: its scheme, and its variant in a study with variants."""
+    return f"{row['scheme']} {row['variant']}" if row.get("variant") else row["scheme"]
+
+
 def mean_by_size_and_scheme(rows: list[dict]) -> dict[tuple[str, str], tuple[int, float, float]]:
-    """(size, scheme) -> (parameters, mean loss, mean perplexity) over the finished seeds."""
+    """(size, series) -> (parameters, mean loss, mean perplexity) over the finished seeds."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
         if row["status"] == "done":
-            groups[(row["size"], row["scheme"])].append(row)
+            groups[(row["size"], series(row))].append(row)
     return {key: (group[0]["parameters"], mean(r["eval_loss"] for r in group), mean(r["eval_ppl"] for r in group))
             for key, group in groups.items()}
 
@@ -93,6 +98,7 @@ def collect_results(planned: list[PlannedRun], out_dir: Path, sizes: list[str], 
     """Write results.csv, results.md and (with matplotlib) scaling.png under ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [read_result(p) for p in planned]
+    schemes = list(dict.fromkeys(series(row) for row in rows)) if any(r["variant"] for r in rows) else schemes
     files = {"csv": out_dir / "results.csv", "markdown": out_dir / "results.md"}
     with open(files["csv"], "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)

@@ -32,7 +32,8 @@ class PlannedRun:
 
     def row(self) -> dict:
         """Flat, JSON-able description."""
-        row = {"run": self.run.name, "size": self.run.size, "scheme": self.run.scheme, "seed": self.run.seed,
+        row = {"run": self.run.name, "size": self.run.size, "scheme": self.run.scheme, "variant": self.run.variant,
+               "seed": self.run.seed,
                "parameters": self.parameters, "non_embedding_parameters": self.non_embedding_parameters,
                "tokens": self.tokens, "flops": self.flops, "gpus": self.gpus,
                "gpu_hours": round(self.gpu_hours, 2), "error": self.error}

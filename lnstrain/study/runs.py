@@ -1,4 +1,4 @@
-"""The runs of a study: each size × scheme × seed composed into one resolved config."""
+"""The runs of a study: each size × (variant ×) scheme × seed composed into one resolved config."""
 
 from __future__ import annotations
 
@@ -21,38 +21,45 @@ class StudyRun:
     scheme: str
     seed: int
     config: Config
+    variant: str = ""
+    """The study's variant (a named set of overrides); empty in a study without variants."""
 
     @property
     def name(self) -> str:
-        return run_name(self.size, self.scheme, self.seed)
+        return run_name(self.size, self.scheme, self.seed, self.variant)
 
     @property
     def dir(self) -> Path:
         return self.config.run.dir
 
 
-def run_name(size: str, scheme: str, seed: int) -> str:
-    return f"{size}_{scheme}_s{seed}"
+def run_name(size: str, scheme: str, seed: int, variant: str = "") -> str:
+    return f"{size}_{scheme}_{variant}_s{seed}" if variant else f"{size}_{scheme}_s{seed}"
 
 
-def compose_run_config(study: Study, size: str, scheme: str, seed: int) -> Config:
-    """recipe ← size piece ← scheme piece ← the study's data, names and seed ← ``set`` overrides."""
+def compose_run_config(study: Study, size: str, scheme: str, seed: int, variant: str = "") -> Config:
+    """recipe ← size piece ← scheme piece ← the study's data, names and seed ← ``set`` overrides ←
+    the variant's overrides."""
     spec = study.spec
+    name = run_name(size, scheme, seed, variant)
     data: dict = {}
     for piece in (study.path(spec.recipe), study.path(spec.sizes_dir) / f"{size}.yaml",
                   study.path(spec.schemes_dir) / f"{scheme}.yaml"):
         data = deep_merge(data, load_yaml_with_bases(piece))
     data = deep_merge(data, {
-        "run": {"name": run_name(size, scheme, seed), "output_dir": spec.output_dir},
+        "run": {"name": name, "output_dir": spec.output_dir},
         "data": {"sources": [{"prefix": spec.data_prefix, "weight": 1.0}], "tokenizer": spec.tokenizer},
         "train": {"seed": seed},
         "model": {"init_seed": seed},
     })
-    return config_from_dict(apply_overrides(data, spec.set), source=f"study run {run_name(size, scheme, seed)}")
+    overrides = spec.set + (spec.variants[variant] if variant else [])
+    return config_from_dict(apply_overrides(data, overrides), source=f"study run {name}")
 
 
 def study_runs(study: Study) -> list[StudyRun]:
-    """Every run, sizes in the study's order, then schemes, then seeds."""
+    """Every run: sizes in the study's order, then variants, then seeds, then schemes, so that a study
+    run one after another (or cut short) completes whole scheme comparisons, one seed at a time."""
     spec = study.spec
-    return [StudyRun(size, scheme, seed, compose_run_config(study, size, scheme, seed))
-            for size in spec.sizes for scheme in spec.schemes for seed in spec.seeds]
+    return [StudyRun(size, scheme, seed, compose_run_config(study, size, scheme, seed, variant), variant)
+            for size in spec.sizes for variant in (list(spec.variants) or [""])
+            for seed in spec.seeds for scheme in spec.schemes]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -75,6 +76,26 @@ class ClusterProfile:
 
 
 @dataclass
+class DepthCollection:
+    """What ``collect`` measures with the depth analysis (docs/depth_analysis.md) on each run.
+
+    Attributes:
+        data: validation token-file prefix (``<prefix>.bin/.idx``) every checkpoint is measured on.
+        steps: the checkpoints (``global_step<N>``) to analyse in each run; empty: the final one only.
+            Runs shorter than a step skip it. Keep them with ``checkpoint.interval_steps`` dividing
+            each step and ``checkpoint.keep_last`` unset.
+        num_samples, batch_size: validation windows of ``seq_len + 1`` tokens, and their batching.
+        reference: the scheme the others are compared with (the paper's baseline).
+    """
+
+    data: str
+    steps: list[int] = field(default_factory=list)
+    num_samples: int = 64
+    batch_size: int = 8
+    reference: str = "pre_ln"
+
+
+@dataclass
 class StudySpec:
     """A scaling study: every size × scheme × seed is one run.
 
@@ -91,6 +112,11 @@ class StudySpec:
         search_layout: choose tensor/pipeline/ZeRO/micro-batch/recomputation to fit memory; false keeps
             each config's own layout (and refuses it if it does not fit).
         set: ``section.key=value`` overrides applied to every run.
+        variants: named sets of overrides, another axis of the study (e.g. learning rates or training
+            lengths): every size × variant × scheme × seed is one run, named
+            ``<size>_<scheme>_<variant>_s<seed>``, with the variant's overrides applied after ``set``.
+            Empty (the default): one run per size × scheme × seed, as without this key.
+        depth: depth analysis of the runs' checkpoints at ``collect`` (``DepthCollection``); none when unset.
     """
 
     name: str
@@ -107,6 +133,8 @@ class StudySpec:
     gpus_per_run: dict[str, int] = field(default_factory=lambda: {"default": 8})
     search_layout: bool = True
     set: list[str] = field(default_factory=list)
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    depth: DepthCollection | None = None
 
     def gpus_for(self, size: str) -> int:
         return self.gpus_per_run.get(size, self.gpus_per_run.get("default", 1))
@@ -160,6 +188,13 @@ def load_study(path: str | Path) -> Study:
         problems.append(f"recipe: file not found: {study.path(spec.recipe)}")
     if not spec.seeds:
         problems.append("seeds is empty")
+    problems += [f"variants: name {name!r} may hold only letters, digits, '.', '-' and '+'"
+                 for name in spec.variants if not re.fullmatch(r"[A-Za-z0-9.+-]+", name)]
+    if spec.depth is not None:
+        if spec.depth.reference not in spec.schemes:
+            problems.append(f"depth.reference: {spec.depth.reference!r} is not one of the schemes {spec.schemes}")
+        if any(step < 1 for step in spec.depth.steps):
+            problems.append(f"depth.steps must be positive (got {spec.depth.steps})")
     if not 0 < cluster.mfu <= 1 or not 0 < cluster.memory_margin <= 1:
         problems.append("cluster.mfu and cluster.memory_margin must be in (0, 1]")
     if cluster.launcher == "deepspeed" and not cluster.hostfile:

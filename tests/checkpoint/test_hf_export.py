@@ -122,6 +122,7 @@ def export_and_compare(cfg: ModelConfig, directory) -> None:
     dict(norm_scheme="lns", num_kv_heads=1, fused_qkv=False),
     dict(norm_scheme="lns_after_sublayer"),
     dict(norm_scheme="lns_after_sublayer", tie_embeddings=True, num_kv_heads=2),
+    dict(norm_scheme="lns_gain_init", tie_embeddings=True, num_kv_heads=2),
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_export_reproduces_lnstrain_logits(case, tmp_path):
     export_and_compare(tiny_cfg(**case), tmp_path / "hf")
@@ -169,7 +170,7 @@ def test_export_refuses_layernorm():
                                     "(no mean subtraction, no bias)"]
 
 
-@pytest.mark.parametrize("scheme", ["pre_ln", "lns", "lns_after_sublayer"])
+@pytest.mark.parametrize("scheme", ["pre_ln", "lns", "lns_after_sublayer", "lns_gain_init"])
 def test_import_round_trip_restores_the_state_dict(scheme, tmp_path, caplog):
     """The export's config.json record makes the import unfold by itself; lns gets its gains back bit for bit."""
     cfg = tiny_cfg(norm_scheme=scheme, num_kv_heads=2)
@@ -183,14 +184,28 @@ def test_import_round_trip_restores_the_state_dict(scheme, tmp_path, caplog):
             torch.testing.assert_close(imported[name], tensor, rtol=1e-6, atol=0, msg=name)
         else:
             assert torch.equal(imported[name], tensor), name
-    if scheme != "pre_ln":
+    if scheme in ("lns", "lns_after_sublayer"):
         assert "config.json records that lnstrain folded" in caplog.text and "weights unfolded" in caplog.text
+    else:  # nothing folded: pre_ln, and lns_gain_init, whose 1/sqrt(l) lives in the gains themselves
+        assert f"nothing folded, nothing to unfold into norm_scheme={scheme}" in caplog.text
     model = Transformer(cfg, ParallelGroups.single_process())
     apply_full_state_dict(model, imported)
     ids = tokens(cfg)
     with torch.no_grad():
         expected = perturbed_model(cfg)(ids)
         assert (model(ids) - expected).abs().max() <= 1e-5
+
+
+def test_lns_and_lns_gain_init_export_the_same_llama_at_initialisation():
+    """Same function at step 0: LNS folds 1/sqrt(l) into the gains, lns_gain_init starts its gains there."""
+    lns, gain_init = (tiny_cfg(norm_scheme=scheme, num_layers=4) for scheme in ("lns", "lns_gain_init"))
+    exported = [to_hf_state_dict(Transformer(cfg, ParallelGroups.single_process()).state_dict(), cfg)
+                for cfg in (lns, gain_init)]
+    assert exported[0].keys() == exported[1].keys()
+    for name, tensor in exported[0].items():
+        assert torch.equal(tensor, exported[1][name]), name
+    assert torch.equal(exported[1]["model.layers.3.input_layernorm.weight"],
+                       torch.full_like(exported[1]["model.layers.3.input_layernorm.weight"], 0.5))
 
 
 def test_unfold_without_exact_gains_computes_the_same_function(tmp_path):

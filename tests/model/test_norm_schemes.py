@@ -82,6 +82,40 @@ def test_lns_factor_set_equals_inverse_sqrt_layer(tiny_cfg, single):
         (n, 1 / math.sqrt(n), 1 / math.sqrt(n)) for n in range(1, 5)}
 
 
+def test_lns_gain_init_is_lns_at_step_zero(tiny_cfg, single, tokens):
+    lns = Transformer(tiny_cfg(norm_scheme="lns", num_layers=4), single)
+    gain_init = Transformer(tiny_cfg(norm_scheme="lns_gain_init", num_layers=4), single)
+    torch.testing.assert_close(gain_init(tokens), lns(tokens), rtol=1e-6, atol=1e-6)
+    for block in gain_init.layers:
+        factor = 1 / math.sqrt(block.layer_number)
+        assert block.lns_factor == 1.0 and block.attention_norm.output_scale == block.mlp_norm.output_scale == 1.0
+        for norm in (block.attention_norm, block.mlp_norm):
+            assert torch.equal(norm.weight, torch.full_like(norm.weight, factor))
+            norm.weight.data.zero_()
+            norm.reset_parameters()  # init_weights' path (meta construction) gives the same start
+            assert torch.equal(norm.weight, torch.full_like(norm.weight, factor))
+    assert torch.equal(gain_init.output.final_norm.weight, torch.ones_like(gain_init.output.final_norm.weight))
+    others = {k: v for k, v in gain_init.state_dict().items() if "_norm" not in k or "final" in k}
+    assert all(torch.equal(v, lns.state_dict()[k]) for k, v in others.items())
+
+
+def test_lns_gain_init_moves_the_effective_gain_at_full_speed(tiny_cfg, single, tokens):
+    """The optimizer hypothesis in one Adam step: LNS's effective gain w/sqrt(l) moves by lr/sqrt(l)
+    (Adam's first step moves each weight by lr), lns_gain_init's gain by lr."""
+    lr, layer = 1e-2, 4
+    moved = {}
+    for scheme in ("lns", "lns_gain_init"):
+        model = Transformer(tiny_cfg(norm_scheme=scheme, num_layers=layer), single)
+        norm = model.layers[layer - 1].mlp_norm
+        before = norm.weight.detach() * norm.output_scale
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-30)
+        model.loss(tokens, tokens.roll(-1, dims=1), torch.ones_like(tokens, dtype=torch.float)).backward()
+        optimizer.step()
+        moved[scheme] = (norm.weight.detach() * norm.output_scale - before).abs()
+    torch.testing.assert_close(moved["lns"], torch.full_like(moved["lns"], lr / math.sqrt(layer)), rtol=1e-4, atol=0)
+    torch.testing.assert_close(moved["lns_gain_init"], torch.full_like(moved["lns"], lr), rtol=1e-4, atol=0)
+
+
 def test_lns_factor_is_plain_float_not_state(tiny_cfg, single):
     lns = Transformer(tiny_cfg(norm_scheme="lns"), single)
     pre = Transformer(tiny_cfg(norm_scheme="pre_ln"), single)

@@ -1,5 +1,6 @@
 """Contract 1: the set {(layer number, LNS factor)} over all ranks equals the single-process model's,
-for pipeline 1, 2 and 4, tied and untied embeddings, even and uneven splits.
+for pipeline 1, 2 and 4, tied and untied embeddings, even and uneven splits; and under
+``lns_gain_init`` every rank's pre-sublayer gains start at 1/sqrt(global layer number).
 
 One 4-rank spawn builds every pipeline layout (the stages only; no engine) and reports each rank's
 (layer number, factor) pairs. Beyond the set, each pipeline replica (one data and tensor coordinate)
@@ -11,9 +12,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from lnstrain.model import Transformer
+from lnstrain.model import NormScheme, Transformer, TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.testing.distributed import run_distributed
 from tests.parallel.layouts import Layout, layer_factors, make_config
@@ -40,6 +42,14 @@ def numbering_worker(rank: int, world_size: int, layouts: list[Layout]) -> dict[
         gathered = [None] * world_size
         dist.all_gather_object(gathered, (groups.pp_rank, groups.dp_rank, groups.tp_rank, layer_factors(module)))
         results[layout.name] = gathered
+        gain_config = make_config(layout, num_layers=NUM_LAYERS)
+        gain_config.model.norm_scheme = NormScheme.LNS_GAIN_INIT
+        module = build_pipeline_module(gain_config.model, gain_config.parallel, groups)
+        gains = [(b.layer_number, b.lns_factor, b.attention_norm.weight.tolist(), b.mlp_norm.weight.tolist())
+                 for b in module.modules() if isinstance(b, TransformerBlock)]
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, gains)
+        results[f"{layout.name}/lns_gain_init"] = gathered
     return results
 
 
@@ -74,3 +84,15 @@ def test_pipeline_layer_factors_equal_reference(numbering, layout):
         for stage, count in enumerate(layout.boundaries):
             assert per_stage[stage] == list(range(first, first + count)), per_stage
             first += count
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", PIPELINE_LAYOUTS, ids=lambda layout: layout.name)
+def test_lns_gain_init_gains_follow_the_global_layer_number(numbering, layout):
+    seen = {}
+    for layers in numbering[f"{layout.name}/lns_gain_init"]:
+        for number, factor, attention_gain, mlp_gain in layers:
+            assert factor == 1.0  # no factor applied, only the initial gains
+            assert set(attention_gain) == set(mlp_gain) == {float(torch.tensor(1 / math.sqrt(number)))}
+            seen[number] = True
+    assert sorted(seen) == list(range(1, NUM_LAYERS + 1))

@@ -23,6 +23,8 @@ CASES = {  # name: (model overrides, sequence_parallel)
                                               norm_scheme="layerscale", layerscale_init=0.5), True),
     "kv_replicated_separate_sp_sandwich_layernorm": (dict(num_heads=4, num_kv_heads=1, fused_qkv=False,
                                                           norm_scheme="sandwich_ln", norm_type="layernorm"), True),
+    "tied_kv_replicated_sp_lns_gain_init": (dict(num_heads=4, num_kv_heads=1, tie_embeddings=True,
+                                                 norm_scheme="lns_gain_init"), True),
 }
 
 

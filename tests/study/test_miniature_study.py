@@ -39,7 +39,7 @@ def test_plan_run_collect_end_to_end(tmp_path):
              "recipe": "recipe.yaml", "sizes_dir": "sizes", "schemes_dir": str(REPO / "configs/schemes"),
              "data_prefix": str(corpus.prefix), "tokenizer": str(corpus.tokenizer),
              "output_dir": str(tmp_path / "runs"), "cluster": str(REPO / "configs/clusters/local_cpu.yaml"),
-             "gpus_per_run": {"default": 1}}
+             "gpus_per_run": {"default": 1}, "depth": {"data": str(corpus.prefix), "num_samples": 4}}
     study_path = tmp_path / "study.yaml"
     study_path.write_text(yaml.safe_dump(study))
 
@@ -66,6 +66,16 @@ def test_plan_run_collect_end_to_end(tmp_path):
     assert len(rows) == 4 and all(r["status"] == "done" for r in rows)
     assert all(0 < float(r["eval_loss"]) < 10 for r in rows)
     assert "| tiny_a |" in (tmp_path / "runs/_study/results.md").read_text()
+    # the depth section: each run's final checkpoint analysed, Pre-LN and LNS compared per size
+    with open(tmp_path / "runs/_study/depth/claims.csv") as handle:
+        claims = list(csv.DictReader(handle))
+    assert {(c["size"], c["step"]) for c in claims} == {("tiny_a", "3"), ("tiny_b", "3")}
+    assert {c["claim"] for c in claims} >= {"pre_ln_variance_grows", "lns_curbs_variance_growth", "lns_lowers_loss",
+                                            "lns_deep_layers_matter_more"}
+    assert all(c["holds"] in ("True", "False") for c in claims)
+    report = (tmp_path / "runs/_study/depth/compare/tiny_b/step3/report.md").read_text()
+    assert "## The paper's claims, checked" in report and "lns_s7" in report and "pre_ln_s7" in report
+    assert "`lns_deep_layers_matter_more` | lns |" in collected.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -26,7 +26,8 @@ def test_shipped_studies_plan_every_run():
         study = load_study(path)
         planned = plan_study(study)
         assert planned and not [p.error for p in planned if p.error], path
-        assert len(planned) == len(study.spec.sizes) * len(study.spec.schemes) * len(study.spec.seeds)
+        variants = max(len(study.spec.variants), 1)
+        assert len(planned) == len(study.spec.sizes) * variants * len(study.spec.schemes) * len(study.spec.seeds)
 
 
 def test_1b_never_gets_a_tensor_size_its_ffn_cannot_split():

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Where does the LNS paper's pruning claim turn? The depth study of docs/depth_analysis.md: builds a
+# ~30 MB docstring corpus (stdlib and installed packages, no download), trains Pre-LN, LNS and
+# lns_gain_init at the depth demo's size (configs/studies/depth_turn.yaml, one run after another,
+# one thread each, niced), then analyses every run's checkpoints and compares the schemes.
+#
+#     launch/depth_study.sh                 # everything: hours on a 2-core CPU; rerunning resumes
+#     launch/depth_study.sh collect         # only the analyses and reports of what has finished
+#
+# Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
+# depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python}
+WORK=depth_study
+STUDY=configs/studies/depth_turn.yaml
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
+if [[ ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ]]; then
+    echo "== building the docstring corpus, tokenizer and token files in $WORK/"
+    mkdir -p "$WORK/tokenizer" "$WORK/data"
+    "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --max-mb 40 --site-packages
+    "$PYTHON" tools/train_tokenizer.py --input "$WORK/corpus/train.jsonl" --output-prefix "$WORK/tokenizer/docstrings" \
+        --vocab-size 2048 --model-type bpe --threads 1
+    for split in train valid; do
+        "$PYTHON" tools/preprocess_data.py --input "$WORK/corpus/$split.jsonl" \
+            --tokenizer "$WORK/tokenizer/docstrings.model" --output-prefix "$WORK/data/$split" --workers 1 --quiet
+    done
+fi
+
+if [[ "${1:-run}" != collect ]]; then
+    echo "== training $STUDY (one run after another; rerunning resumes)"
+    nice -n 19 "$PYTHON" launch/scaling_study.py run "$STUDY" || echo "!! some runs failed (see their launch.log)"
+fi
+echo "== collecting $STUDY"
+nice -n 19 "$PYTHON" launch/scaling_study.py collect "$STUDY"

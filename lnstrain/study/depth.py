@@ -1,0 +1,248 @@
+"""``collect`` of a study with a ``depth`` section: the depth analysis of each run's checkpoints, the
+paper's claims for every (size, variant, training length), and where each claim's verdict turns.
+
+Files under ``<output_dir>/_study/depth/``:
+
+    runs/<run>/step<N>/           one checkpoint's analysis (depth_analysis.json, CSVs; reused when present)
+    compare/<size>_<variant>/step<N>/   the schemes side by side, with the claim table (report.md)
+    claims.csv                    one row per (size, variant, step, claim, scheme): values and verdict
+    layers.csv                    one row per (run, step, layer): ΔP, variance, d(l, l+1), norm gains
+    report.md                     per size and variant: verdicts against training tokens, where they turn,
+                                  and the deep half's mean ΔP against tokens; plots beside it (matplotlib)
+
+Runs of one scheme with different seeds are seeds of one comparison (``claims.evaluate_claims``).
+A checkpoint that is missing (the run is shorter, or not there yet) is skipped and listed.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, evaluate_claims
+from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
+from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.study.plan import PlannedRun
+from lnstrain.study.spec import DepthCollection, Study
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointAnalysis:
+    """One run's analysis at one checkpoint."""
+
+    run: PlannedRun
+    step: int
+    tokens: int
+    analysis: DepthAnalysis
+
+
+@dataclass
+class Comparison:
+    """The schemes (and seeds) of one size and variant at one training length."""
+
+    size: str
+    variant: str
+    step: int
+    tokens: int
+    members: list[CheckpointAnalysis]
+    claims: list[ClaimResult]
+
+    @property
+    def label(self) -> str:
+        return f"{self.size}_{self.variant}" if self.variant else self.size
+
+
+def analysis_steps(depth: DepthCollection, total_steps: int) -> list[int]:
+    """The checkpoints to analyse in a run of ``total_steps`` steps."""
+    return sorted({step for step in depth.steps if step <= total_steps}) if depth.steps else [total_steps]
+
+
+def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> DepthAnalysis:
+    """Depth analysis of one checkpoint on the study's validation data."""
+    from lnstrain.analysis.eval_data import validation_batches
+    from lnstrain.analysis.model_loading import load_for_analysis
+
+    config, model = load_for_analysis(checkpoint=str(step_dir))
+    batches = validation_batches(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
+                                 config.model.vocab_size)
+    return analyze_model(model, batches, name=name)
+
+
+def run_analyses(study: Study, planned: Sequence[PlannedRun]) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
+    """Every available analysis (computed, or read back from an earlier collect), and what is missing."""
+    from lnstrain.checkpoint.metadata import is_complete
+
+    depth, found, missing = study.spec.depth, [], []
+    root = study.output_dir / "_study" / "depth" / "runs"
+    for p in planned:
+        config = p.config
+        for step in analysis_steps(depth, config.total_steps):
+            step_dir = config.run.dir / "checkpoints" / f"global_step{step}"
+            out_dir = root / p.run.name / f"step{step}"
+            name = f"{p.run.scheme}_s{p.run.seed}"
+            if (out_dir / "depth_analysis.json").is_file():
+                [analysis] = read_analyses(out_dir)
+            elif step_dir.is_dir() and is_complete(step_dir):
+                logger.info("%s: depth analysis of step %d", p.run.name, step)
+                analysis = analyse_checkpoint(step_dir, depth, name)
+                write_report([analysis], out_dir, plots=False)
+            else:
+                missing.append((p.run.name, step))
+                continue
+            found.append(CheckpointAnalysis(p, step, step * config.tokens_per_step, analysis))
+    return found, missing
+
+
+def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Comparison]:
+    """Group by (size, variant, step), evaluate the claims, write each group's side-by-side report."""
+    groups: dict[tuple[str, str, int], list[CheckpointAnalysis]] = defaultdict(list)
+    for a in analyses:
+        groups[(a.run.run.size, a.run.run.variant, a.step)].append(a)
+    comparisons = []
+    root = study.output_dir / "_study" / "depth" / "compare"
+    for (size, variant, step), members in groups.items():
+        runs = [m.analysis for m in members]
+        claims = evaluate_claims(runs, reference=study.spec.depth.reference)
+        comparison = Comparison(size, variant, step, members[0].tokens, members, claims)
+        write_report(runs, root / comparison.label / f"step{step}", plots=False, claims=claims)
+        comparisons.append(comparison)
+    order = {(s, v): i for i, (s, v) in enumerate(dict.fromkeys((a.run.run.size, a.run.run.variant) for a in analyses))}
+    return sorted(comparisons, key=lambda c: (order[(c.size, c.variant)], c.step))
+
+
+def turning_step(verdicts: Sequence[tuple[int, bool | None]]) -> int | None:
+    """The first step from which the claim holds at every later analysed step (None: it does not hold
+    at the last one). ``verdicts``: (step, holds) in step order."""
+    turn = None
+    for step, holds in verdicts:
+        if holds:
+            turn = step if turn is None else turn
+        else:
+            turn = None
+    return turn
+
+
+CLAIM_COLUMNS = ["size", "variant", "step", "tokens", "claim", "scheme", "statistic", "expected", "subject_mean",
+                 "reference_mean", "threshold", "difference", "holds", "verdict", "seeds", "beyond_seed_spread",
+                 "values"]
+LAYER_COLUMNS = ["run", "size", "variant", "scheme", "seed", "step", "tokens", "layer", "delta_loss",
+                 "output_variance", "neighbour_distance", "attention_norm_gain", "mlp_norm_gain"]
+
+
+def write_claims_csv(comparisons: Sequence[Comparison], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CLAIM_COLUMNS)
+        writer.writeheader()
+        for c in comparisons:
+            for r in c.claims:
+                writer.writerow({
+                    "size": c.size, "variant": c.variant, "step": c.step, "tokens": c.tokens, "claim": r.id,
+                    "scheme": r.scheme, "statistic": r.statistic, "expected": r.expected,
+                    "subject_mean": r.subject.mean if r.subject else "",
+                    "reference_mean": r.reference.mean if r.reference else "",
+                    "threshold": "" if r.threshold is None else r.threshold,
+                    "difference": "" if r.difference is None else r.difference, "holds": r.holds,
+                    "verdict": r.verdict, "seeds": r.seeds, "beyond_seed_spread": r.beyond_seed_spread,
+                    "values": "; ".join(f"{v.name}={v.value:.6g}" for v in r.runs)})
+
+
+def write_layers_csv(analyses: Sequence[CheckpointAnalysis], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=LAYER_COLUMNS)
+        writer.writeheader()
+        for a in analyses:
+            run, analysis = a.run.run, a.analysis
+            for p in analysis.pruning:
+                gains = analysis.norm_gains[p.layer - 1] if analysis.norm_gains else ["", ""]
+                writer.writerow({
+                    "run": run.name, "size": run.size, "variant": run.variant, "scheme": run.scheme, "seed": run.seed,
+                    "step": a.step, "tokens": a.tokens, "layer": p.layer, "delta_loss": p.delta_loss,
+                    "output_variance": analysis.output_variance[p.layer],
+                    "neighbour_distance": analysis.angular_distance[p.layer - 1][p.layer],
+                    "attention_norm_gain": gains[0], "mlp_norm_gain": gains[1]})
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _mark(result: ClaimResult) -> str:
+    return {"holds": "✓", "does not hold": "✗", "tie": "="}.get(result.verdict, "–") + (
+        "" if result.beyond_seed_spread is not False else "~")
+
+
+def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
+    """Per size and variant: each claim's verdict against training tokens, and where it turns."""
+    lines = []
+    by_series: dict[str, list[Comparison]] = defaultdict(list)
+    for c in comparisons:
+        by_series[c.label].append(c)
+    for label, series in by_series.items():
+        lines += [f"### {label}", "", "| claim | scheme | " + " | ".join(_tokens(c.tokens) for c in series)
+                  + " | holds from |", "|---|---|" + "---|" * (len(series) + 1)]
+        keys = list(dict.fromkeys((r.id, r.scheme) for c in series for r in c.claims))
+        for claim_id, scheme in keys:
+            cells, verdicts = [], []
+            for c in series:
+                result = next((r for r in c.claims if (r.id, r.scheme) == (claim_id, scheme)), None)
+                cells.append("–" if result is None else _mark(result))
+                verdicts.append((c.step, None if result is None else result.holds))
+            turn = turning_step(verdicts)
+            turned = "never" if turn is None else _tokens(next(c.tokens for c in series if c.step == turn))
+            lines.append(f"| `{claim_id}` | {scheme} | " + " | ".join(cells) + f" | {turned} |")
+        lines.append("")
+        lines += deep_half_table(series)
+    return lines
+
+
+def deep_half_table(series: Sequence[Comparison]) -> list[str]:
+    """Mean ΔP of the deepest half (nats), per scheme (seed mean and values) against tokens."""
+    schemes = list(dict.fromkeys(m.run.run.scheme for c in series for m in c.members))
+    lines = ["Mean ΔP of the deepest half (nats; seeds averaged, each seed in brackets when several):", "",
+             "| scheme | " + " | ".join(_tokens(c.tokens) for c in series) + " |", "|---|" + "---|" * len(series)]
+    for scheme in schemes:
+        cells = []
+        for c in series:
+            values = [deep_half_mean_delta_loss(m.analysis) for m in c.members if m.run.run.scheme == scheme]
+            if not values:
+                cells.append("–")
+                continue
+            cell = f"{sum(values) / len(values):.4f}"
+            cells.append(cell if len(values) == 1 else cell + " (" + ", ".join(f"{v:.4f}" for v in values) + ")")
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path]:
+    """Analyse, compare and report; returns the files written."""
+    out_dir = study.output_dir / "_study" / "depth"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    analyses, missing = run_analyses(study, planned)
+    comparisons = compare(study, analyses)
+    files = {"claims": out_dir / "claims.csv", "layers": out_dir / "layers.csv", "depth report": out_dir / "report.md"}
+    write_claims_csv(comparisons, files["claims"])
+    write_layers_csv(analyses, files["layers"])
+    from lnstrain.study.depth_plots import plot_depth_by_tokens
+
+    plots = plot_depth_by_tokens(analyses, study.spec.depth.reference, out_dir)
+    lines = [f"# Study '{study.spec.name}': depth analysis against training length", "",
+             f"Each checkpoint measured on {study.spec.depth.num_samples} windows of {study.spec.depth.data}. "
+             "✓ holds, ✗ does not hold, = tie, – not testable; ~ after a mark: the seeds do not all agree with "
+             "it. \"holds from\": the first training length from which the claim holds at every later one "
+             "analysed. Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
+    lines += [f"![{path.name}]({path.name})" for path in plots] + [""]
+    if missing:
+        by_run: dict[str, list[str]] = defaultdict(list)
+        for run, step in missing:
+            by_run[run].append(str(step))
+        lines += ["Not analysed yet (no complete checkpoint): "
+                  + "; ".join(f"{run} step {', '.join(steps)}" for run, steps in by_run.items()), ""]
+    files["depth report"].write_text("\n".join(lines), encoding="utf-8")
+    files.update({path.stem: path for path in plots})
+    return files

@@ -1,0 +1,103 @@
+"""A study's variants axis and its depth collection (claims against training length), without training:
+the checkpoints' analyses are synthetic (tests/analysis/test_claims.py), everything after is real."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lnstrain.config.loader import ConfigError
+from lnstrain.study import depth as study_depth
+from lnstrain.study.depth import analysis_steps, collect_depth, turning_step
+from lnstrain.study.plan import plan_study
+from lnstrain.study.runs import study_runs
+from lnstrain.study.spec import DepthCollection, load_study
+from tests.analysis.test_claims import synthetic
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_variants_are_an_axis_with_their_own_overrides():
+    study = load_study(REPO / "configs/studies/depth_turn.yaml")
+    runs = study_runs(study)
+    assert [r.name for r in runs[:7]] == [  # seed by seed: a study cut short holds whole comparisons
+        "depth16x64_pre_ln_lr3e-3_s1234", "depth16x64_lns_lr3e-3_s1234", "depth16x64_lns_gain_init_lr3e-3_s1234",
+        "depth16x64_pre_ln_lr3e-3_s1235", "depth16x64_lns_lr3e-3_s1235", "depth16x64_lns_gain_init_lr3e-3_s1235",
+        "depth16x64_pre_ln_lr3e-3-300steps_s1234"]
+    by_name = {r.name: r.config for r in runs}
+    assert by_name["depth16x64_lns_lr1e-3_s1234"].optim.lr == 1e-3
+    assert by_name["depth16x64_lns_lr1e-3_s1234"].train.steps == 7200
+    short = by_name["depth16x64_lns_gain_init_lr3e-3-1200steps_s1234"]
+    assert (short.train.steps, short.optim.lr, short.model.norm_scheme.value) == (1200, 3e-3, "lns_gain_init")
+    assert short.run.dir == Path("depth_study/runs/depth16x64_lns_gain_init_lr3e-3-1200steps_s1234")
+    assert len(runs) == 24 and all(p.error == "" for p in plan_study(study))
+
+
+def test_variant_names_and_depth_reference_are_checked(tmp_path):
+    study = yaml.safe_load((REPO / "configs/studies/depth_turn.yaml").read_text())
+    study.update(recipe=str(REPO / "configs/recipes/depth_cpu.yaml"), sizes_dir=str(REPO / "configs/sizes"),
+                 schemes_dir=str(REPO / "configs/schemes"), variants={"lr 1e-3": ["optim.lr=1e-3"]},
+                 depth={"data": "x", "reference": "post_ln", "steps": [0]})
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    with pytest.raises(ConfigError) as error:
+        load_study(tmp_path / "study.yaml")
+    text = str(error.value)
+    assert "variants: name 'lr 1e-3'" in text and "depth.reference: 'post_ln' is not one of" in text
+    assert "depth.steps must be positive" in text
+
+
+@pytest.mark.parametrize("verdicts, turn", [
+    ([(1, False), (2, True), (3, True)], 2),
+    ([(1, True), (2, False), (3, True)], 3),
+    ([(1, True), (2, True), (3, False)], None),
+    ([(1, None), (2, True)], 2),
+    ([], None),
+])
+def test_turning_step(verdicts, turn):
+    assert turning_step(verdicts) == turn
+
+
+def test_analysis_steps():
+    assert analysis_steps(DepthCollection(data="x", steps=[600, 300, 7200]), 1200) == [300, 600]
+    assert analysis_steps(DepthCollection(data="x"), 1200) == [1200]
+
+
+def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeypatch):
+    """LNS's deep layers matter less than Pre-LN's at 300 steps and more from 600 on (synthetic)."""
+    study = load_study(REPO / "configs/studies/depth_turn.yaml")
+    study.spec.output_dir = str(tmp_path)
+    study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
+    study.spec.seeds = [1234]
+    deep = {("pre_ln", 300): 0.05, ("pre_ln", 600): 0.05, ("lns", 300): 0.01, ("lns", 600): 0.08,
+            ("lns_gain_init", 300): 0.06, ("lns_gain_init", 600): 0.09}
+
+    def fake_analysis(step_dir, depth, name):
+        scheme = name.rsplit("_s", 1)[0]
+        value = deep[(scheme, int(step_dir.name.removeprefix("global_step")))]
+        return synthetic(name, scheme, delta=(1.0, 0.5, value, value))
+
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", fake_analysis)
+    monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
+    planned = plan_study(study)
+    for p in planned:
+        for step in (300, 600):
+            (p.config.run.dir / "checkpoints" / f"global_step{step}").mkdir(parents=True)
+    files = collect_depth(study, planned)
+    with open(files["claims"]) as handle:
+        rows = [r for r in csv.DictReader(handle) if r["claim"] == "lns_deep_layers_matter_more"]
+    assert {(r["scheme"], r["step"], r["tokens"], r["holds"]) for r in rows} == {
+        ("lns", "300", "307200", "False"), ("lns", "600", "614400", "True"),
+        ("lns_gain_init", "300", "307200", "True"), ("lns_gain_init", "600", "614400", "True")}
+    report = files["depth report"].read_text()
+    assert "| `lns_deep_layers_matter_more` | lns | ✗ | ✓ | 614K |" in report
+    assert "| `lns_deep_layers_matter_more` | lns_gain_init | ✓ | ✓ | 307K |" in report
+    assert "| lns | 0.0100 | 0.0800 |" in report
+    with open(files["layers"]) as handle:
+        layers = list(csv.DictReader(handle))
+    assert len(layers) == 3 * 2 * 4  # schemes x steps x layers
+    compare_report = tmp_path / "_study/depth/compare/depth16x64_lr3e-3/step600/report.md"
+    assert "lns_gain_init_s1234" in compare_report.read_text()
+    # analyses are kept: a second collect reads them back instead of measuring again
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
+    assert collect_depth(study, planned)["depth report"].read_text() == report
