@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lnstrain.config.loader import ConfigError  # noqa: E402
 from lnstrain.study.collect import collect_results  # noqa: E402
 from lnstrain.study.launchers import launch_study, run_status  # noqa: E402
-from lnstrain.study.plan import format_plan, plan_rows, plan_study  # noqa: E402
+from lnstrain.study.plan import format_plan, measured_speed, plan_rows, plan_study  # noqa: E402
 from lnstrain.study.spec import load_study  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
@@ -36,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["plan", "run", "collect"])
     parser.add_argument("study", help="study YAML, e.g. configs/studies/lns_scaling.yaml")
     parser.add_argument("--skip-refused", action="store_true", help="run: launch the runs that fit, skip the rest")
+    parser.add_argument("--mfu-from", metavar="BENCH_JSON",
+                        help="plan: GPU-hours at the MFU a `tools/benchmark.py --json` file measured, instead of the "
+                             "study's assumed cluster.mfu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         study = load_study(args.study)
-        planned = plan_study(study)
+        speed = measured_speed(args.mfu_from) if args.mfu_from else None
+        planned = plan_study(study, speed)
     except ConfigError as error:
         print(f"lnstrain: {error}", file=sys.stderr)
         return 2
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = [p for p in planned if p.error]
 
     if args.command == "plan":
-        text = format_plan(study, planned)
+        text = format_plan(study, planned, speed)
         (report_dir / "plan.md").write_text(text + "\n", encoding="utf-8")
         (report_dir / "plan.json").write_text(json.dumps(plan_rows(planned), indent=2) + "\n", encoding="utf-8")
         text += f"\n\nStatus of each run in {study.output_dir}:"

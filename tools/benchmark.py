@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.warmup):
                 runner.step()
         if index == 0:
-            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device, tracker))
+            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device, tracker),
+                                   warmup_steps=args.warmup)
         runners.append((spec, runner))
     timed = time_interleaved([runner for _, runner in runners], args.steps)
     seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]

@@ -17,6 +17,7 @@ stages); the dry run applies that division. Exit status 2: a bad config or optio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lnstrain.benchmark.activation_trace import trace_activations  # noqa: E402
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
-from lnstrain.estimate.memory import GIB, element_bytes, layer_activation_bytes  # noqa: E402
+from lnstrain.estimate.memory import GIB, element_bytes, layer_activation_bytes, memory_estimate  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 MIB = 2**20
@@ -41,13 +42,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def estimate_of(config) -> dict[str, float]:
-    """The estimate's figures at one tensor rank and one stage, as traced."""
+    """The estimate's figures at one tensor rank and one stage, as traced: what one layer keeps, what
+    the forward keeps, and the forward's peak above the weights (the loss's transient included) with
+    the CPU's kernels (its log-softmax upcasts 16-bit logits to an fp32 copy) and CUDA's."""
     model, s, b = config.model, config.data.seq_len, config.train.micro_batch_size
     mode, e = config.train.activation_checkpointing, element_bytes(config)
-    per_layer = layer_activation_bytes(model, s, b, 1, False, mode, element_bytes=e)
-    loss = (e + 4) * s * b * model.padded_vocab_size(1)
-    recompute = layer_activation_bytes(model, s, b, 1, False, "none", element_bytes=e) if mode == "full" else 0
-    return {"per_layer": per_layer, "activations": model.num_layers * per_layer + recompute + loss}
+    single = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=1, pipeline=1,
+                                                                       sequence_parallel=False))
+    by_device = {}
+    for device in ("cpu", "cuda"):
+        stage = memory_estimate(single, 1, device=device).stages[0]
+        by_device[device] = stage.activations[mode] + stage.forward_transient
+    return {"per_layer": layer_activation_bytes(model, s, b, 1, False, mode, element_bytes=e),
+            "kept_after_forward": memory_estimate(single, 1, device="cpu").stages[0].activations[mode],
+            "forward_peak_cpu": by_device["cpu"], "forward_peak_cuda": by_device["cuda"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  weights:                    {trace.weights / GIB:8.2f} GiB")
     print(f"  kept per layer (median):    {typical / MIB:8.1f} MiB   estimate {estimate['per_layer'] / MIB:8.1f} MiB "
           f"(ratio {estimate['per_layer'] / typical:.3f})")
-    print(f"  kept after the forward:     {trace.kept_after_forward / GIB:8.2f} GiB")
-    if mode == "full":
-        print(f"  forward peak above weights: {trace.forward_peak / GIB:8.2f} GiB   estimate {estimate['activations'] / GIB:8.2f}"
-              " GiB (the estimate adds one layer's recomputation, which happens in backward)")
-    else:
-        print(f"  forward peak above weights: {trace.forward_peak / GIB:8.2f} GiB   estimate {estimate['activations'] / GIB:8.2f}"
-              f" GiB (ratio {estimate['activations'] / trace.forward_peak:.3f}; the CPU's log-softmax adds an fp32 "
-              "copy of the logits that CUDA does not make)")
+    print(f"  kept after the forward:     {trace.kept_after_forward / GIB:8.2f} GiB   estimate "
+          f"{estimate['kept_after_forward'] / GIB:8.2f} GiB (ratio {estimate['kept_after_forward'] / trace.kept_after_forward:.3f})")
+    print(f"  forward peak above weights: {trace.forward_peak / GIB:8.2f} GiB   estimate {estimate['forward_peak_cpu'] / GIB:8.2f}"
+          f" GiB (ratio {estimate['forward_peak_cpu'] / trace.forward_peak:.3f}); on CUDA, whose loss makes no fp32 copy "
+          f"of 16-bit logits: {estimate['forward_peak_cuda'] / GIB:.2f} GiB")
     print(f"  peak over forward+backward: {trace.peak / GIB:8.2f} GiB (gradients included)")
     if args.json:
         with open(args.json, "w") as handle:

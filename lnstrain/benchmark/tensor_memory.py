@@ -8,7 +8,8 @@ tensors and for ``FakeTensorMode`` tensors alike, so the memory of a model far l
 machine can be traced without allocating it (``activation_trace``).
 
 Only tensors created while the mode is active are counted (enter it before building what is
-measured); memory allocated outside torch's dispatcher (communication buffers, workspaces) is not.
+measured); memory allocated outside torch's dispatcher (communication buffers, workspaces) is not,
+nor are meta tensors (shapes without storage; fake tensors report the device they stand in for).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def _count(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":  # shapes only (DeepSpeed keeps meta copies of every parameter)
+            return
         storage = tensor.untyped_storage()
         key, size = id(storage), storage.nbytes()
         known = self._sizes.get(key)

@@ -1,18 +1,38 @@
-"""Memory per rank for a config's parallel layout: weights, gradients, optimizer state, activations.
+"""Memory per rank of a config's parallel layout, phase by phase: what a training step really holds.
 
-All numbers are bytes on one rank of the heaviest pipeline stage; CUDA context, allocator
-fragmentation, communication buffers and temporary tensors are not included (keep a margin).
+All numbers are bytes of live tensors on one rank of the heaviest pipeline stage (what
+``torch.cuda.max_memory_allocated`` measures); ``gpu_allowances`` adds what a GPU holds besides
+tensors. The peak is the largest of three phases of a steady step (not the first, whose optimizer
+state does not exist yet), never a sum of terms that do not coexist:
 
-Model states, per parameter held by the rank (ψ):
-  * bf16/fp16: weights 2 bytes; gradients 2, or 4 where DeepSpeed accumulates bf16 gradients in fp32
-    (``precision.fp32_grad_accum`` with ZeRO ≥ 1 or a pipeline; see ``config.deepspeed_json``);
-    optimizer 12 (fp32 master copy 4 + Adam moments 4 + 4).  fp32: 4 + 4 + 8.
-  * ZeRO over the data-parallel group (size d): stage ≥1 divides the optimizer state by d, stage ≥2
-    the gradients, stage 3 the weights.
-  * ψ per rank: matrices divided by the tensor-parallel size t, norm gains replicated; the stage's
-    layers (``pipeline_boundaries`` or an even split); the vocabulary-parallel embedding (padded
-    vocabulary / t) on the first stage, the head on the last (with tied embeddings and p > 1 the last
-    stage holds a copy of the embedding).
+    held     = weights + optimizer state (+ DeepSpeed's persistent buffers)     between steps
+    forward  = held + activations kept for backward + the loss's transient      (end of the forward)
+    backward = held + max(activations + the head's first gradients,             (start of backward)
+                          gradients + DeepSpeed's reduction buffers)            (end of backward)
+    step     = held + what the optimizer step adds (gradients, fp32 copies)
+
+Model states, per parameter ψ held by the rank (matrices / tensor size t, norm gains replicated, the
+stage's layers, the vocabulary-parallel embedding on the first stage and the head on the last):
+weights 2 bytes in bf16/fp16, 4 in fp32 (ZeRO 3 divides them by the data-parallel size d); Adam's
+moments 8 and, except for fp32 without ZeRO, an fp32 master copy 4, divided by d under ZeRO. The
+rest depends on the optimizer DeepSpeed 0.19 wraps ours in (``deepspeed_optimizer``); each row was
+measured term by term on CPU engines (``lnstrain.benchmark.phase_memory``, docs/performance.md),
+E = min(ψ, 500M) the engine's all-reduce bucket, R the ZeRO reduce bucket, m the largest tensor:
+
+    kind            persistent         end of backward                        step
+    none            -                  4ψ + 4E (.grad, flattened copy)        4ψ + 4m (clipping)
+    fp16_unfused    -                  2ψ + 2E                                2ψ + 4ψ (fp32 copies)
+    bf16_optimizer  4ψ (fp32 accum.)   2ψ + 6E (+ fp32 copy sent)             2ψ
+    zero, fp32      -                  4ψ + 4R                                8ψ/d
+    zero, 16-bit    -                  2ψ + 2R + 4ψ/d + 4m                    4ψ/d + 8m
+    zero3, d = 1    eR + 4ψ            eψ + 4ψ                                4ψ
+    zero3, d > 1    eR + 4ψ/d          eψ + em + gathered weights eψ          4ψ/d
+                    (while gathering, the forward also holds an all-gather's flat buffer, e·min(ψ, 5e7);
+                    the gathered weights are bounded by stage3_max_live_parameters, 1e9)
+
+lnstrain caps R at the parameters one rank holds (``zero_bucket_elements``): DeepSpeed allocates its
+bucket at full size whatever the model. With several micro-batches per step the gradients of the
+earlier ones are held through the later forwards.
 
 Activations, per layer and micro-batch (s sequence, b micro-batch, h hidden, f FFN, h_kv = kv heads ×
 head dim, a heads, e bytes per activation element: 2 in bf16/fp16, 4 in fp32), following Korthikanti
@@ -29,19 +49,17 @@ fp32 statistic, SwiGLU recomputes silu in backward):
   Per layer: R/t + S/t with sequence parallelism, R + S/t without. For reference, Korthikanti's GPT
   block (4h GeLU MLP, dropout, scores stored) is s·b·h·(34 + 5·a·s/h).
   Recomputation: ``selective`` drops C; ``full`` keeps only each layer's input, e·sbh (/t with
-  sequence parallelism), plus one layer's full activations while it is recomputed.
-  A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage; the
-  last stage adds the loss: the logits and their fp32 log-probabilities, (e + 4)·s·b·V/t.
-Peak = weights + optimizer state + DeepSpeed's persistent buffers + the larger of (gradients +
-activations), counted at their fullest although backward frees activations as gradients appear, and
-the gradients held at the end of backward and in the step, which depend on the optimizer DeepSpeed
-wraps ours in (``deepspeed_optimizer``: its fp32 copies and all-reduce buckets). ZeRO 3's buffers
-are not modelled. ``docs/performance.md`` has the measured ratios.
+  sequence parallelism), and one layer's full activations exist while it is recomputed in backward.
+  A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage.
+The loss (last stage, V the padded vocabulary): its fp32 log-probabilities, 4·s·b·V/t, are kept for
+backward, with the final norm's and the head's inputs (2e·sbh); the logits, e·s·b·V/t, live while the loss is computed (plus an fp32 copy of 16-bit logits
+where the kernel upcasts first: on the CPU, and in the tensor-parallel loss). Backward starts with the
+gradient of the logits (a 16-bit copy of the fp32 one) and of the head.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lnstrain.config.run_config import Config
 from lnstrain.model.config import ModelConfig, NormScheme
@@ -49,30 +67,74 @@ from lnstrain.model.norm_schemes import has_final_norm, norms_per_block
 
 GIB = 1024**3
 CHECKPOINTING_MODES = ("none", "selective", "full")
+PHASES = ("forward", "backward", "step")
+ENGINE_ALLREDUCE_BUCKET = 500_000_000
+"""Elements per bucket of DeepSpeed's engine-level all-reduce (``MEMORY_OPT_ALLREDUCE_SIZE``)."""
+ZERO3_PREFETCH_BUCKET = 50_000_000
+"""DeepSpeed's ``stage3_prefetch_bucket_size`` default: elements of one all-gather's flat buffer."""
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+"""DeepSpeed's ``stage3_max_live_parameters`` default: at most this many gathered at once."""
 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Bytes on one rank of one pipeline stage."""
+    """Bytes on one rank of one pipeline stage, by what they are and when they live."""
 
     stage: int
     layers: int
     parameters: int
     weights: float
-    gradients: float
     optimizer: float
-    activations: dict[str, float] = field(default_factory=dict)
-    """Activation bytes by checkpointing mode (``none``, ``selective``, ``full``)."""
-    step_gradients: float = 0.0
-    """Gradient bytes at the end of backward and in the optimizer step, when more than ``gradients``
-    (DeepSpeed's fp32 copies and all-reduce buckets)."""
-    buffers: float = 0.0
-    """DeepSpeed's persistent communication buffers (the ZeRO 1/2 reduce bucket)."""
+    """fp32 master copy (where kept) and Adam's moments, ZeRO-partitioned."""
+    persistent_buffers: float
+    """DeepSpeed's buffers held between steps (BF16_Optimizer's fp32 gradients, ZeRO 3's bucket)."""
+    activations: dict[str, float]
+    """Kept for backward at the end of the forward, by checkpointing mode: every micro-batch in
+    flight, and on the last stage the loss's fp32 log-probabilities."""
+    forward_transient: float
+    """Live only while the loss is computed: the logits (and an fp32 copy where the kernel upcasts)."""
+    backward_transient: float
+    """At the start of backward, beside the activations: the gradients of the logits and of the head."""
+    recompute: dict[str, float]
+    """During backward, beside the activations: the layer being recomputed (``full``)."""
+    gradients: float
+    """At the end of backward: gradients and DeepSpeed's reduction buffers (the activations are gone)."""
+    step: float
+    """Added during the optimizer step: gradients, their fp32 copies and the step's temporaries."""
+    gathered_weights: float = 0.0
+    """ZeRO 3: the full weights gathered for the forward and backward."""
+    forward_gather: float = 0.0
+    """ZeRO 3: an all-gather's flat buffer beside the gathered weights, while it gathers (not at the end
+    of the forward, when the activations and the loss peak)."""
+    accumulated_gradients: float = 0.0
+    """Gradients of the step's earlier micro-batches, held through the later forwards."""
+    backward_buffers: float = 0.0
+    """ZeRO 1/2: the reduce bucket, allocated when the backward starts, beside the activations."""
+    pipe_buffers: float = 0.0
+    """Pipeline: what DeepSpeed's pipe buffers keep between steps (each in-flight slot's received
+    input, and on the last stage its logits, which are only dropped when the slot is reused)."""
+
+    @property
+    def held(self) -> float:
+        """Held between steps: weights, optimizer state and persistent buffers."""
+        return self.weights + self.optimizer + self.persistent_buffers + self.pipe_buffers
+
+    def phases(self, checkpointing: str) -> dict[str, float]:
+        """Peak bytes of each phase of a steady step."""
+        kept = self.activations[checkpointing]
+        during = self.held + self.gathered_weights
+        backward_start = (kept + self.accumulated_gradients + self.backward_transient + self.recompute[checkpointing]
+                          + self.backward_buffers)
+        return {"forward": during + self.accumulated_gradients + max(self.forward_gather, kept + self.forward_transient),
+                "backward": during + max(backward_start, self.gradients),
+                "step": self.held + self.step}
 
     def total(self, checkpointing: str) -> float:
-        during_step = max(self.step_gradients, self.gradients)
-        return (self.weights + self.optimizer + self.buffers
-                + max(self.gradients + self.activations[checkpointing], during_step))
+        return max(self.phases(checkpointing).values())
+
+    def peak_phase(self, checkpointing: str) -> str:
+        phases = self.phases(checkpointing)
+        return max(phases, key=phases.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +147,9 @@ class MemoryEstimate:
     pipeline: int
     data: int
     zero_stage: int
+    optimizer_kind: str
+    """The optimizer DeepSpeed wraps ours in (``deepspeed_optimizer``)."""
+    device: str = "cuda"
 
     @property
     def heaviest(self) -> StageMemory:
@@ -131,6 +196,20 @@ def stage_parameters(model: ModelConfig, tensor: int, pipeline: int, stage: int,
     return count
 
 
+def largest_stage_parameters(model: ModelConfig, tensor: int, pipeline: int,
+                             boundaries: list[int] | None = None) -> int:
+    """The most parameters any one rank holds (the heaviest stage's)."""
+    counts = stage_layer_counts(model.num_layers, pipeline, boundaries)
+    return max(stage_parameters(model, tensor, pipeline, stage, layers) for stage, layers in enumerate(counts))
+
+
+def largest_tensor_elements(model: ModelConfig, tensor: int) -> int:
+    """Elements of the largest parameter on one tensor rank (an embedding or a fused projection)."""
+    embedding = model.padded_vocab_size(tensor) * model.hidden_size // tensor
+    qkv = (model.hidden_size + 2 * model.kv_heads * model.head_dim) * model.hidden_size // tensor
+    return max(embedding, qkv, 2 * model.ffn_hidden_size * model.hidden_size // tensor)
+
+
 def layer_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, tensor: int,
                            sequence_parallel: bool, checkpointing: str,
                            scores_stored: bool = False, element_bytes: int = 2) -> float:
@@ -158,33 +237,6 @@ def element_bytes(config: Config) -> int:
     return 4 if config.precision.dtype == "fp32" else 2
 
 
-def _bytes_per_parameter(config: Config) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding. DeepSpeed's ZeRO
-    optimizers keep an fp32 master partition even of fp32 weights (12 optimizer bytes then too)."""
-    precision, parallel = config.precision, config.parallel
-    if precision.dtype == "fp32":
-        return 4, 4, 8 if parallel.zero_stage == 0 else 12
-    fp32_accumulation = precision.dtype == "bf16" and precision.fp32_grad_accum and (
-        parallel.zero_stage >= 1 or parallel.pipeline > 1)
-    return 2, 4 if fp32_accumulation else 2, 12
-
-
-def _gradient_bytes(config: Config, params: float, dp: int) -> float:
-    """Gradient bytes held during backward. ZeRO 1 without BF16_Optimizer keeps each parameter's full
-    16-bit (or fp32) ``.grad`` and an fp32 partition of them; ZeRO 2 only the partition."""
-    _, grad_b, _ = _bytes_per_parameter(config)
-    zero = config.parallel.zero_stage
-    if zero == 1 and deepspeed_optimizer(config) == "zero":
-        return params * element_bytes(config) + params * 4 / dp
-    return params * grad_b / (dp if zero >= 2 else 1)
-
-
-DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000
-"""DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
-DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
-"""Elements per bucket of DeepSpeed's engine-level all-reduce (BF16_Optimizer's data parallelism)."""
-
-
 def deepspeed_optimizer(config: Config) -> str:
     """Which DeepSpeed optimizer wraps ours (DeepSpeed 0.19, measured in tests/training/test_engine_precision.py):
     ``fp16_unfused`` (16-bit, ZeRO 0, no pipeline), ``bf16_optimizer`` (bf16 with fp32 accumulation at
@@ -202,80 +254,150 @@ def deepspeed_optimizer(config: Config) -> str:
 
 def _reduce_bucket(config: Config, world_size: int) -> tuple[int, bool]:
     """(``reduce_bucket_size``, ``overlap_comm``) from the DeepSpeed JSON lnstrain derives."""
-    from lnstrain.config.deepspeed_json import deepspeed_config
+    from lnstrain.config.deepspeed_json import DEEPSPEED_BUCKET_DEFAULT, deepspeed_config
 
     zero = deepspeed_config(config, world_size)["zero_optimization"]
-    return int(zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET)), bool(zero.get("overlap_comm", False))
+    return int(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_DEFAULT)), bool(zero.get("overlap_comm", False))
 
 
-def _deepspeed_gradient_memory(config: Config, world_size: int, params: float,
-                               gradients: float) -> tuple[float, float]:
-    """(gradient bytes held at the end of backward and in the step, 0 when no more than ``gradients``;
-    persistent buffer bytes), as measured on CPU engines (docs/performance.md):
+@dataclass(frozen=True)
+class _OptimizerTerms:
+    """The optimizer's part of one stage's memory (see the table in the module docstring)."""
 
-    * ``fp16_unfused``: the step converts every 16-bit gradient to an fp32 copy (+4 bytes per parameter);
-    * ``bf16_optimizer``: the bf16 ``.grad`` (2 bytes) beside the fp32 accumulation buffer, and the
-      engine's all-reduce flattens up to ``DEEPSPEED_ALLREDUCE_BUCKET`` of them and sends an fp32 copy (6);
-    * ``zero``: a reduce bucket of ``reduce_bucket_size`` gradient elements, kept for the whole run
-      (two with ``overlap_comm``).
-    """
-    kind = deepspeed_optimizer(config)
+    optimizer: float
+    persistent_buffers: float
+    gradients: float
+    step: float
+    accumulated_gradients: float
+    gathered_weights: float = 0.0
+    forward_gather: float = 0.0
+    backward_buffers: float = 0.0
+
+
+def _optimizer_terms(config: Config, world_size: int, kind: str, params: int, largest: int) -> _OptimizerTerms:
+    d = max(config.data_parallel_size(world_size), 1)
+    e = element_bytes(config)
+    flat = min(params, ENGINE_ALLREDUCE_BUCKET)  # what the engine's all-reduce flattens at once
+    if kind == "none":
+        return _OptimizerTerms(8 * params, 0.0, 4 * params + 4 * flat, 4 * params + 4 * largest, 4 * params)
     if kind == "fp16_unfused":
-        return gradients + 4 * params, 0.0
+        return _OptimizerTerms(12 * params, 0.0, 2 * params + 2 * flat, 6 * params, 2 * params)
     if kind == "bf16_optimizer":
-        return gradients + 2 * params + 6 * min(DEEPSPEED_ALLREDUCE_BUCKET, params), 0.0
+        return _OptimizerTerms(12 * params / d, 4 * params, 2 * params + 6 * flat, 2 * params, 0.0)
+    bucket, overlap = _reduce_bucket(config, world_size)
     if kind == "zero":
-        bucket, overlap = _reduce_bucket(config, world_size)
-        return 0.0, bucket * element_bytes(config) * (2 if overlap else 1)
-    return 0.0, 0.0
+        bucket_bytes = e * bucket * (2 if overlap else 1)
+        # ZeRO 1 accumulates in its bucket, which then stays through the next micro-batch's forward
+        bucket_held = config.parallel.zero_stage == 1 and config.grad_accumulation_steps(world_size) > 1
+        accumulated = e * params + bucket_bytes if config.parallel.zero_stage == 1 else 4 * params / d
+        if e == 4:
+            return _OptimizerTerms(12 * params / d, 0.0, 4 * params + bucket_bytes, 8 * params / d, accumulated,
+                                   backward_buffers=0.0 if bucket_held else bucket_bytes)
+        return _OptimizerTerms(12 * params / d, 0.0, 2 * params + bucket_bytes + 4 * params / d + 4 * largest,
+                               4 * params / d + 8 * largest, accumulated)
+    if d == 1:  # every partition is the whole: nothing to gather
+        return _OptimizerTerms(12 * params / d, e * bucket + 4 * params, e * params + 4 * params, 4 * params,
+                               4 * params)
+    gathered = e * min(params, ZERO3_MAX_LIVE_PARAMETERS)
+    return _OptimizerTerms(12 * params / d, e * bucket + 4 * params / d, e * params + e * largest, 4 * params / d,
+                           4 * params / d, gathered, forward_gather=e * min(params, ZERO3_PREFETCH_BUCKET))
 
 
-def memory_estimate(config: Config, world_size: int) -> MemoryEstimate:
-    """Per-rank memory of ``config`` on ``world_size`` ranks (layout from ``config.parallel``)."""
+def _loss_terms(config: Config, device: str) -> tuple[float, float, float]:
+    """(kept, forward transient, backward transient) bytes of the loss on the last stage. Kept: the
+    fp32 log-probabilities, the final norm's input (split by sequence parallelism) and fp32 row
+    statistic, and the head's input."""
+    model, t = config.model, config.parallel.tensor
+    tokens, e = config.data.seq_len * config.train.micro_batch_size, element_bytes(config)
+    vocab = model.padded_vocab_size(t) / t
+    upcast_copy = 4 * tokens * vocab if e < 4 and (device == "cpu" or t > 1) else 0.0
+    forward = e * tokens * vocab + upcast_copy
+    logits_grad = e * tokens * vocab if e < 4 else 0.0
+    head_grads = e * vocab * model.hidden_size + e * tokens * model.hidden_size
+    norm_split = t if config.parallel.sequence_parallel else 1
+    head_input = e * tokens * model.hidden_size * (1 + 1 / norm_split) + 4 * tokens / norm_split
+    return 4 * tokens * vocab + head_input, forward, max(logits_grad, head_grads)
+
+
+def memory_estimate(config: Config, world_size: int, device: str = "cuda") -> MemoryEstimate:
+    """Per-rank memory of ``config`` on ``world_size`` ranks (layout from ``config.parallel``).
+
+    ``device``: ``cuda`` (the default, what the dry run plans for) or ``cpu``, whose kernels keep a
+    few tensors CUDA's do not (an fp32 copy of 16-bit logits in the loss).
+    """
     model, par = config.model, config.parallel
     tp, pp = par.tensor, par.pipeline
     dp = max(config.data_parallel_size(world_size), 1)
     accumulation = max(config.grad_accumulation_steps(world_size), 1)
-    weight_b, _, optim_b = _bytes_per_parameter(config)
-    zero = par.zero_stage
+    zero, e = par.zero_stage, element_bytes(config)
     s, b = config.data.seq_len, config.train.micro_batch_size
-    e = element_bytes(config)
+    kind = deepspeed_optimizer(config)
+    largest = largest_tensor_elements(model, tp)
+    loss_kept, loss_forward, loss_backward = _loss_terms(config, device)
     stages = []
     for stage, layers in enumerate(stage_layer_counts(model.num_layers, pp, par.pipeline_boundaries)):
         params = stage_parameters(model, tp, pp, stage, layers)
+        last = stage == pp - 1
         in_flight = min(pp - stage, accumulation) if pp > 1 else 1
-        activations = {}
-        for mode in CHECKPOINTING_MODES:
-            per_layer = layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode, element_bytes=e)
-            total = layers * per_layer * in_flight
-            if mode == "full":  # one layer's activations exist while it is recomputed for backward
-                total += layer_activation_bytes(model, s, b, tp, par.sequence_parallel, "none", element_bytes=e)
-            if stage == pp - 1:
-                total += (e + 4) * s * b * model.padded_vocab_size(tp) / tp
-            activations[mode] = total
-        gradients = _gradient_bytes(config, params, dp)
-        step_gradients, buffers = _deepspeed_gradient_memory(config, world_size, params, gradients)
+        per_layer = {mode: layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode, element_bytes=e)
+                     for mode in CHECKPOINTING_MODES}
+        activations = {mode: layers * per_layer[mode] * in_flight + (loss_kept if last else 0.0)
+                       for mode in CHECKPOINTING_MODES}
+        recompute = {mode: per_layer["none"] if mode == "full" and layers else 0.0 for mode in CHECKPOINTING_MODES}
+        terms = _optimizer_terms(config, world_size, kind, params, largest)
+        pipe_slots = max(2, min(pp - stage, accumulation)) if pp > 1 else 0
+        slot_bytes = (e * s * b * model.hidden_size / (tp if par.sequence_parallel else 1) if stage > 0 else 0.0) + (
+            e * s * b * model.padded_vocab_size(tp) / tp if last else 0.0)
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=params,
-            weights=params * weight_b / (dp if zero >= 3 else 1),
-            gradients=gradients,
-            optimizer=params * optim_b / (dp if zero >= 1 else 1),
-            activations=activations,
-            step_gradients=step_gradients, buffers=buffers))
+            weights=params * e / (dp if zero >= 3 else 1), optimizer=terms.optimizer,
+            persistent_buffers=terms.persistent_buffers, activations=activations,
+            forward_transient=loss_forward if last else 0.0, backward_transient=loss_backward if last else 0.0,
+            recompute=recompute, gradients=terms.gradients, step=terms.step,
+            gathered_weights=terms.gathered_weights, forward_gather=terms.forward_gather,
+            accumulated_gradients=terms.accumulated_gradients if accumulation > 1 else 0.0,
+            backward_buffers=terms.backward_buffers, pipe_buffers=pipe_slots * slot_bytes))
     return MemoryEstimate(checkpointing=config.train.activation_checkpointing, stages=stages,
-                          tensor=tp, pipeline=pp, data=dp, zero_stage=zero)
+                          tensor=tp, pipeline=pp, data=dp, zero_stage=zero, optimizer_kind=kind, device=device)
 
 
 def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:,.2f} GiB"
 
 
-def unmodelled_buffers_note(config: Config, world_size: int, estimate: MemoryEstimate) -> str:
-    """What the estimate leaves out for this config (empty when nothing known): ZeRO 3's buffers."""
-    if config.parallel.zero_stage != 3:
-        return ""
-    bucket, _ = _reduce_bucket(config, world_size)
-    return (f"ZeRO 3: DeepSpeed's reduce bucket (reduce_bucket_size {bucket:,} elements, about "
-            f"{gib(bucket * element_bytes(config))}) "
-            "and its prefetch and persistence buffers are not counted in the estimate; set deepspeed: "
-            "{zero_optimization: {reduce_bucket_size: N, stage3_prefetch_bucket_size: N}} to cap them")
+@dataclass(frozen=True)
+class GpuAllowances:
+    """What a GPU holds besides the tensors the estimate counts: stated assumptions, not measured here
+    (no GPU has run lnstrain yet; ``launch/gpu_check.sh`` measures allocated and reserved peaks).
+
+    Attributes:
+        cuda_context: the CUDA context with cuBLAS and cuDNN handles and workspaces (flash attention's
+            own workspace is its log-sum-exp, already among the activations): about 0.5-0.7 GiB on
+            Hopper with CUDA 12/13, outside ``max_memory_allocated``.
+        nccl: NCCL's buffers, about 0.25 GiB per communicator (``NCCL_BUFFSIZE`` 4 MiB per channel
+            and peer, tens of channels on NVLink); one per process group of more than one rank.
+        allocator_fraction: the caching allocator's reserved-but-free blocks, as a fraction of the
+            tensor peak (fragmentation; ``expandable_segments:True`` lowers it).
+        workspaces: GPU kernels' workspaces, allocated through the caching allocator (so inside
+            ``max_memory_allocated``) but absent from the CPU's kernels the tensor terms were checked
+            on: cuBLAS's 32 MiB (Hopper's default ``CUBLAS_WORKSPACE_CONFIG``) and flash attention's
+            backward fp32 dQ accumulator, 4·s·b·h/t, beside the backward's peak.
+    """
+
+    cuda_context: float
+    nccl: float
+    allocator_fraction: float
+    workspaces: float = 0.0
+
+    def device_total(self, tensor_peak: float) -> float:
+        """What ``nvidia-smi`` would show for a rank whose tensor peak is ``tensor_peak``."""
+        return (tensor_peak + self.workspaces) * (1 + self.allocator_fraction) + self.cuda_context + self.nccl
+
+
+def gpu_allowances(config: Config, world_size: int) -> GpuAllowances:
+    par = config.parallel
+    sizes = (par.tensor, par.pipeline, max(config.data_parallel_size(world_size), 1), world_size)
+    communicators = sum(1 for size in sizes if size > 1)
+    attention_dq = 4 * config.data.seq_len * config.train.micro_batch_size * config.model.hidden_size / par.tensor
+    return GpuAllowances(cuda_context=0.6 * GIB, nccl=0.25 * GIB * communicators, allocator_fraction=0.10,
+                         workspaces=32 * 2**20 + attention_dq)

@@ -16,8 +16,8 @@ from lnstrain.config.deepspeed_json import deepspeed_config
 from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, flops_per_token
-from lnstrain.estimate.memory import (CHECKPOINTING_MODES, GIB, korthikanti_gpt_layer_bytes, memory_estimate,
-                                      unmodelled_buffers_note)
+from lnstrain.estimate.memory import (CHECKPOINTING_MODES, GIB, PHASES, gpu_allowances, korthikanti_gpt_layer_bytes,
+                                      memory_estimate)
 from lnstrain.estimate.validation import split_file_problems
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -51,6 +51,7 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
     tokens = steps * config.tokens_per_step
     memory = memory_estimate(config, world_size)
     heaviest = memory.heaviest
+    allowances = gpu_allowances(config, world_size)
     return {
         "run": config.run.name,
         "world_size": world_size,
@@ -79,18 +80,29 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
         },
         "memory_per_rank": {
             "heaviest_stage": heaviest.stage, "stage_layers": heaviest.layers,
-            "parameters_on_rank": heaviest.parameters,
-            "weights_bytes": heaviest.weights, "gradients_bytes": heaviest.gradients,
-            "optimizer_bytes": heaviest.optimizer,
-            "step_gradients_bytes": heaviest.step_gradients, "deepspeed_buffers_bytes": heaviest.buffers,
+            "parameters_on_rank": heaviest.parameters, "deepspeed_optimizer": memory.optimizer_kind,
+            "weights_bytes": heaviest.weights, "optimizer_bytes": heaviest.optimizer,
+            "persistent_buffers_bytes": heaviest.persistent_buffers, "pipe_buffers_bytes": heaviest.pipe_buffers,
+            "held_bytes": heaviest.held, "backward_buffers_bytes": heaviest.backward_buffers,
+            "gathered_weights_bytes": heaviest.gathered_weights,
+            "accumulated_gradients_bytes": heaviest.accumulated_gradients,
             "activations_bytes": dict(heaviest.activations),
+            "loss_forward_transient_bytes": heaviest.forward_transient,
+            "backward_transient_bytes": heaviest.backward_transient,
+            "recompute_bytes": dict(heaviest.recompute),
+            "end_of_backward_bytes": heaviest.gradients, "step_bytes": heaviest.step,
+            "phases_bytes": {mode: heaviest.phases(mode) for mode in CHECKPOINTING_MODES},
+            "peak_phase": heaviest.peak_phase(memory.checkpointing),
             "total_bytes": memory.total,
             "total_bytes_by_checkpointing": {mode: memory.total_with(mode) for mode in CHECKPOINTING_MODES},
+            "gpu_allowances": {"cuda_context_bytes": allowances.cuda_context, "nccl_bytes": allowances.nccl,
+                               "allocator_fraction": allowances.allocator_fraction,
+                               "workspaces_bytes": allowances.workspaces,
+                               "device_total_bytes": allowances.device_total(memory.total)},
             "korthikanti_gpt_layer_bytes": korthikanti_gpt_layer_bytes(model, seq_len, config.train.micro_batch_size),
         },
         "deepspeed_config": deepspeed_config(config, world_size),
-        "notes": [f"{note} (ignored by the dry run; needed by the real run)" for note in missing_files]
-                 + [note for note in [unmodelled_buffers_note(config, world_size, memory)] if note],
+        "notes": [f"{note} (ignored by the dry run; needed by the real run)" for note in missing_files],
     }
 
 
@@ -133,25 +145,35 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  total FLOPs:     {bud['total_flops_noncausal']:.3e} non-causal, "
         f"{bud['total_flops_causal']:.3e} causal",
         f"Memory per rank (pipeline stage {mem['heaviest_stage']}, {mem['stage_layers']} layers, "
-        f"{mem['parameters_on_rank']:,} parameters on the rank)",
-        f"  weights:      {_gib(mem['weights_bytes'])}",
-        f"  gradients:    {_gib(mem['gradients_bytes'])}",
-        f"  optimizer:    {_gib(mem['optimizer_bytes'])} (fp32 master + Adam moments, ZeRO stage "
-        f"{lay['zero_stage']})",
+        f"{mem['parameters_on_rank']:,} parameters on the rank; DeepSpeed optimizer {mem['deepspeed_optimizer']}): "
+        "live tensors of a steady step, the peak of its phases",
+        f"  held between steps: {_gib(mem['held_bytes']).strip()} = weights {_gib(mem['weights_bytes']).strip()} "
+        f"+ optimizer {_gib(mem['optimizer_bytes']).strip()} (fp32 master + Adam moments, ZeRO stage "
+        f"{lay['zero_stage']}) + DeepSpeed buffers {_gib(mem['persistent_buffers_bytes']).strip()}"
+        + (f" + pipeline buffers {_gib(mem['pipe_buffers_bytes']).strip()}" if mem["pipe_buffers_bytes"] else ""),
+        f"  activations kept for backward ({ckpt}): {_gib(mem['activations_bytes'][ckpt]).strip()}; loss transient "
+        f"{_gib(mem['loss_forward_transient_bytes']).strip()}; gradients and reduction buffers at the end of "
+        f"backward {_gib(mem['end_of_backward_bytes']).strip()}; optimizer step {_gib(mem['step_bytes']).strip()}",
     ]
-    if mem["step_gradients_bytes"]:
-        lines.append(f"  gradients at the step: {_gib(mem['step_gradients_bytes'])} (DeepSpeed's fp32 copies and "
-                     "all-reduce buckets, instead of the activations)")
-    if mem["deepspeed_buffers_bytes"]:
-        lines.append(f"  DeepSpeed buffers: {_gib(mem['deepspeed_buffers_bytes'])} (ZeRO reduce bucket; "
-                     "deepspeed.zero_optimization.reduce_bucket_size)")
+    for label, key in (("ZeRO 3 gathered weights", "gathered_weights_bytes"),
+                       ("earlier micro-batches' gradients", "accumulated_gradients_bytes"),
+                       ("ZeRO reduce bucket through the backward", "backward_buffers_bytes")):
+        if mem[key]:
+            lines.append(f"  {label}: {_gib(mem[key]).strip()}")
+    phases = mem["phases_bytes"][ckpt]
+    lines.append("  by phase: " + ", ".join(
+        f"{phase} {_gib(phases[phase]).strip()}{' <- peak' if phase == mem['peak_phase'] else ''}" for phase in PHASES))
     for mode in CHECKPOINTING_MODES:
         marker = "  <- configured" if mode == ckpt else ""
-        lines.append(f"  activations, checkpointing {mode:<9} {_gib(mem['activations_bytes'][mode])}"
-                     f"  (total {_gib(mem['total_bytes_by_checkpointing'][mode]).strip()}){marker}")
+        lines.append(f"  checkpointing {mode:<9} activations {_gib(mem['activations_bytes'][mode])}  "
+                     f"peak {_gib(mem['total_bytes_by_checkpointing'][mode])}{marker}")
+    gpu = mem["gpu_allowances"]
     lines += [
-        f"  total:        {_gib(mem['total_bytes'])} (without the CUDA context, fragmentation and "
-        f"NCCL's own buffers)",
+        f"  total:        {_gib(mem['total_bytes'])} of tensors (what torch.cuda.max_memory_allocated measures)",
+        f"  on a GPU, about {_gib(gpu['device_total_bytes']).strip()} in all with these allowances (assumed, not "
+        f"yet measured): CUDA context {_gib(gpu['cuda_context_bytes']).strip()}, NCCL "
+        f"{_gib(gpu['nccl_bytes']).strip()}, cuBLAS and flash-attention workspaces "
+        f"{_gib(gpu['workspaces_bytes']).strip()}, allocator slack {gpu['allocator_fraction']:.0%} of the tensors",
         "  activation formula: Korthikanti et al. 2022 adapted to the LLaMA block with SDPA/flash "
         "attention (no s×s scores stored); see lnstrain/estimate/memory.py. Reference GPT block "
         f"s·b·h·(34 + 5·a·s/h) = {_gib(mem['korthikanti_gpt_layer_bytes']).strip()} per layer",

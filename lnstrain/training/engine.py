@@ -261,8 +261,9 @@ class TrainingEngine:
         weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, after the step
         for index, micro in enumerate(weighted):
-            logits = self.engine(micro.inputs)
-            loss = weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
+            # the logits are not kept for backward (the loss keeps its own fp32 buffer): no name holds them
+            loss = weighted_token_loss(self.engine(micro.inputs), micro.labels, micro.weights, self.config.model,
+                                       self.groups)
             self.engine.backward(loss)
             loss_sum += loss.detach()
             if index == len(weighted) - 1 and self._before_optimizer_step is not None:
@@ -298,8 +299,8 @@ class TrainingEngine:
             weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for micro in weighted:
-                logits = self.engine(micro.inputs)
-                total += weighted_token_loss(logits, micro.labels, micro.weights, self.config.model, self.groups)
+                total += weighted_token_loss(self.engine(micro.inputs), micro.labels, micro.weights,
+                                             self.config.model, self.groups)
             return self._global_mean(total / len(weighted))
         finally:
             self.engine.train()

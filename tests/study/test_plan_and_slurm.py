@@ -169,3 +169,34 @@ def test_study_file_problems_are_reported_together(tmp_path):
         load_study(path)
     text = str(error.value)
     assert "'61m' has no" in text and "'lsn' has no" in text and "seeds is empty" in text
+
+
+def test_plan_states_its_speed_assumption_and_takes_a_measured_mfu(tmp_path):
+    import json
+
+    from lnstrain.config.loader import ConfigError
+    from lnstrain.study.plan import measured_speed
+
+    study = load_study(STUDIES / "lns_7b.yaml")
+    assumed = plan_study(study)
+    text = format_plan(study, assumed)
+    assert "Speed: MFU 40.0%, assumed (the study's cluster.mfu), not measured" in text and "--mfu-from" in text
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"environment": {"device_name": "NVIDIA H100 80GB HBM3"},
+                                 "shape": {"seq_len": 2048, "model": {"hidden_size": 2048, "num_layers": 24}},
+                                 "runners": [{"name": "lnstrain-engine[lns]", "throughput": {"mfu": 0.5}}]}))
+    speed = measured_speed(bench)
+    measured = plan_study(study, speed)
+    assert [p.gpu_hours for p in measured] == pytest.approx([p.gpu_hours * 0.4 / 0.5 for p in assumed])
+    assert measured[0].row()["mfu"] == 0.5
+    text = format_plan(study, measured, speed)
+    assert "measured by tools/benchmark.py (lnstrain-engine[lns] on NVIDIA H100 80GB HBM3, hidden 2048" in text
+    assert "GPU-hours at 50.0% MFU (measured)" in text
+    bench.write_text(json.dumps({"runners": [{"name": "x", "throughput": {"mfu": None}}]}))
+    with pytest.raises(ConfigError, match="no peak TFLOP/s"):
+        measured_speed(bench)
+    result = subprocess.run([sys.executable, "launch/scaling_study.py", "plan", str(STUDIES / "lns_7b.yaml"),
+                             "--mfu-from", str(tmp_path / "absent.json")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "not a tools/benchmark.py --json file" in result.stderr
+    assert "Traceback" not in result.stderr
