@@ -70,7 +70,7 @@ def benchmarks(dry_run: bool) -> list[Benchmark]:
     ffn = "96" if dry_run else "5632"
 
     def steps(count: int, warmup: int = 3) -> tuple[str, ...]:
-        return ("--warmup", "1", "--steps", "3") if dry_run else ("--warmup", str(warmup), "--steps", str(count))
+        return ("--warmup", "2", "--steps", "3") if dry_run else ("--warmup", str(warmup), "--steps", str(count))
 
     alone = ("--baseline", "none")
     specs = [
