@@ -23,13 +23,13 @@ def test_sigusr1_and_sigterm_only_set_a_flag_until_polled():
 
 
 def test_wallclock_limit_leaves_room_for_the_slowest_step_and_save():
-    stop = StopController(max_wallclock_minutes=1.0, save_interval_minutes=None)
+    stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None)
     assert not stop.poll(last_step_s=20.0, last_save_time=time.monotonic()).stop
     stop.record_save(30.0)  # 20 s step + 30 s save + elapsed >= 60 s is not yet true...
     assert not stop.poll(last_step_s=1.0, last_save_time=time.monotonic()).stop
     stop.record_save(45.0)  # ...but 20 + 45 is over the minute: stop now, while a save still fits
     decision = stop.poll(last_step_s=1.0, last_save_time=time.monotonic())
-    assert decision.stop and decision.reason == "train.max_wallclock_minutes reached"
+    assert decision.stop and decision.reason == "train.exit_after_minutes reached"
 
 
 def test_time_based_save_is_due_after_the_interval():
