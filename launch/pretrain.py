@@ -8,7 +8,10 @@
 
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
-reported together with exit code 2. SIGTERM or SIGUSR1 make every rank save and exit 0.
+reported together with exit code 2. SIGTERM or SIGUSR1 (or train.exit_after_minutes) make every
+rank save after the same step and exit 75. Rerunning a finished run says so and changes nothing.
+Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
+be resumed (the same command continues); see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
 libraries' informational messages.
 """
@@ -27,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
 
-EXIT_BAD_CONFIG = 2
 logger = logging.getLogger("lnstrain.launch")
 
 
@@ -71,6 +74,18 @@ def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> 
     report = dry_run_report(config, world_size)  # raises ConfigError listing the config's problems
     if int(os.environ.get("RANK", "0")) == 0:
         print(report)
+
+
+def already_finished(config) -> int | None:
+    """The step this run already finished at (``final_metrics.json``), or None to train. Only for
+    ``checkpoint.resume: auto``: naming a checkpoint to start from is a request to train from it."""
+    if config.checkpoint.resume != "auto":
+        return None
+    try:
+        total_steps = config.total_steps
+    except (TypeError, ValueError, ZeroDivisionError):  # a bad train.steps/tokens: preflight says which
+        return None
+    return finished_step(config.run.dir, total_steps)
 
 
 def configure_logging(rank: int, verbose: bool) -> None:
@@ -148,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         from lnstrain.config.run_config import load_config  # imports torch: seconds on a cold file system
 
         config = load_config(args.config, overrides, world_size, validate=False)
+        finished_at = already_finished(config)
+        if finished_at is not None:
+            logger.info("run '%s' already finished at step %d (%s); nothing to do", config.run.name, finished_at,
+                        config.run.dir)
+            return EXIT_FINISHED
         from lnstrain.training.preflight import preflight_problems
 
         problems = preflight_problems(config, world_size)
@@ -170,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()  # a launcher stops the other ranks once one exits non-zero: let all finish first
         dist.destroy_process_group()
-    return result.exit_code  # 0, or 3 when train.nonfinite_policy stopped the run
+    return result.exit_code  # 0 finished, 75 stopped to be resumed, 3 stopped by non-finite losses
 
 
 if __name__ == "__main__":

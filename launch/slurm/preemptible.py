@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run a training command so that a scheduler's warning signal makes every rank save and exit 0.
+"""Run a training command so that a scheduler's warning signal makes every rank save and stop.
 
     python launch/slurm/preemptible.py -- deepspeed --num_gpus 8 launch/pretrain.py --config run.yaml
     python launch/slurm/preemptible.py -- srun ... python launch/pretrain.py --config run.yaml
@@ -9,19 +9,56 @@ and SIGUSR1 (not handled by it) kills the launcher and orphans the ranks. This w
 command in its own process group with SIGUSR1 ignored (an ignored signal stays ignored across exec,
 so the launcher processes ignore it; the ranks install their own handler). When the wrapper gets
 SIGTERM, SIGUSR1 or SIGINT, it sends SIGUSR1 to the whole group: the ranks finish the current step,
-save a checkpoint and exit 0, the launcher sees clean exits and exits 0, and so does this wrapper.
-Its exit status is the command's.
+save a checkpoint and exit 75 (stopped to be resumed), the launcher passes that on, and so does this
+wrapper. Its exit status is the command's.
+
+On Linux the wrapper also adopts orphaned descendants (PR_SET_CHILD_SUBREAPER) and waits for them:
+when a job is cancelled or requeued, SIGTERM kills the ``deepspeed`` runner at once while the launcher
+below it lingers; adopted, the launcher and its ranks stay in the job's process tree, where SLURM's
+``proctrack/linuxproc`` finds them (by parent) to kill, instead of living on outside the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+ADOPTED_GRACE_S = 120  # how long adopted processes may outlive the command before they are killed
+
+
+def adopt_orphans() -> bool:
+    """Become the parent of descendants whose own parent dies (Linux); False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_adopted(group: int) -> None:
+    """Wait until no adopted descendant is left; SIGKILL the command's process group if they linger."""
+    deadline = time.monotonic() + ADOPTED_GRACE_S
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the launch command after --")
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the command (and kept by the launchers)
+    adopting = adopt_orphans()
     child = subprocess.Popen(command, start_new_session=True)
     received: list[int] = []
 
@@ -48,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for signum in FORWARDED:
         signal.signal(signum, forward)
     returncode = child.wait()
+    if adopting:
+        reap_adopted(child.pid)
     if returncode < 0:
         print(f"preemptible: the command died of {signal.Signals(-returncode).name}", file=sys.stderr)
         return 128 - returncode

@@ -2,8 +2,9 @@
 
 Inert unless a test asks for it: with ``LNSTRAIN_TEST_KILL_AT_SAVE_POINT=K`` (or ``R:K``, only on
 global rank R) the process SIGKILLs itself at the K-th save point it reaches (counted over all saves
-of the process); a test in the same process may instead set ``observer`` to look at the files at
-each point. Library code only calls ``reached(label)``.
+of the process); with ``LNSTRAIN_TEST_PAUSE_AT_SAVE_POINT`` it stops there until killed from outside
+(a scheduler preempting the job in the middle of a save); a test in the same process may instead set
+``observer`` to look at the files at each point. Library code only calls ``reached(label)``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KILL_AT_ENV = "LNSTRAIN_TEST_KILL_AT_SAVE_POINT"
+PAUSE_AT_ENV = "LNSTRAIN_TEST_PAUSE_AT_SAVE_POINT"
 
 observer: Callable[[str, Path | None], None] | None = None
 """A test's ``fn(label, file being written or None)``, called at every save point."""
@@ -32,8 +35,8 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _kill_target() -> int | None:
-    value = os.environ.get(KILL_AT_ENV)
+def _target(variable: str) -> int | None:
+    value = os.environ.get(variable)
     if not value:
         return None
     target_rank, _, point = value.rpartition(":")
@@ -43,7 +46,7 @@ def _kill_target() -> int | None:
 
 
 def active() -> bool:
-    return observer is not None or bool(os.environ.get(KILL_AT_ENV))
+    return observer is not None or bool(os.environ.get(KILL_AT_ENV) or os.environ.get(PAUSE_AT_ENV))
 
 
 def reached(label: str, path: Path | None = None) -> None:
@@ -53,10 +56,15 @@ def reached(label: str, path: Path | None = None) -> None:
     if observer is not None:
         observer(label, path)
     number = next(_counter)
-    if number == _kill_target():
+    if number == _target(KILL_AT_ENV):
         logger.warning("%s: killing this process at save point %d (%s)", KILL_AT_ENV, number, label)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+    if number == _target(PAUSE_AT_ENV):
+        logger.warning("%s: pausing this process at save point %d (%s) until it is killed", PAUSE_AT_ENV, number,
+                       label)
+        while True:
+            time.sleep(1)
 
 
 @contextlib.contextmanager

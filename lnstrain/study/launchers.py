@@ -4,7 +4,8 @@ A run is *finished* when ``lnstrain.study.results.final_metrics`` finds its fina
 launched again and resumes from its latest checkpoint (``checkpoint.resume: auto``). Launchers:
 ``local`` runs one after another here (``python`` for one process, ``deepspeed --num_gpus`` for
 more); ``deepspeed`` runs them one after another with the cluster's hostfile; ``slurm`` writes
-``<run dir>/job.sbatch`` and submits it (skipping runs whose job is still queued or running).
+``<run dir>/job.sbatch`` and submits it, or a chain of ``slurm.chain_jobs`` (skipping runs whose job is
+still queued, running or requeued); the job requeues itself until its run is finished.
 A failed run is reported and the others still run.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
 from lnstrain.study.runs import RUN_CONFIG
-from lnstrain.study.slurm import render_sbatch
+from lnstrain.study.slurm import render_sbatch, submit
 from lnstrain.study.spec import ClusterProfile, Study
 
 logger = logging.getLogger(__name__)
@@ -86,15 +87,15 @@ def _launch_slurm(study: Study, planned: PlannedRun, config_path: Path) -> Launc
         return LaunchResult(planned.run.name, "queued", f"job {(run_dir / JOB_ID_FILE).read_text().strip()}")
     script = run_dir / "job.sbatch"
     script.write_text(render_sbatch(planned.run.name, run_dir.resolve(), str(config_path.resolve()), planned.gpus,
-                                    study.cluster, REPO_ROOT))
+                                    study.cluster, REPO_ROOT, planned.config.checkpoint_dir.resolve()))
     if not study.cluster.slurm.submit:
         return LaunchResult(planned.run.name, "written", str(script))
-    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-    if result.returncode:
-        return LaunchResult(planned.run.name, "failed", result.stderr.strip())
-    job_id = result.stdout.strip().split(";")[0]
-    (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
-    return LaunchResult(planned.run.name, "submitted", f"job {job_id}")
+    try:
+        job_ids = submit(script, study.cluster.slurm.chain_jobs)
+    except (RuntimeError, FileNotFoundError) as error:
+        return LaunchResult(planned.run.name, "failed", str(error))
+    (run_dir / JOB_ID_FILE).write_text(job_ids[-1] + "\n")  # the chain's last link: queued until the run ends
+    return LaunchResult(planned.run.name, "submitted", f"job{'s' * (len(job_ids) > 1)} {' '.join(job_ids)}")
 
 
 def _launch_here(study: Study, planned: PlannedRun, config_path: Path) -> LaunchResult:

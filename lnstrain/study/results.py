@@ -13,8 +13,10 @@ import logging
 import math
 from pathlib import Path
 
+from lnstrain.training.outcome import FINAL_METRICS_FILE as FINAL_METRICS
+from lnstrain.training.outcome import finished_step
+
 logger = logging.getLogger(__name__)
-FINAL_METRICS = "final_metrics.json"
 EVAL_LOSS_TAG = "eval/loss"
 
 
@@ -43,9 +45,9 @@ def _from_tensorboard(run_dir: Path, total_steps: int) -> dict | None:
 def final_metrics(run_dir: Path, total_steps: int) -> dict | None:
     """The finished run's final metrics, or None if the run has not finished."""
     path = run_dir / FINAL_METRICS
-    if path.is_file():
+    if finished_step(run_dir, total_steps) is not None:
         metrics = json.loads(path.read_text(encoding="utf-8"))
-        loss = float(metrics["eval_loss"])
+        loss = math.nan if metrics.get("eval_loss") is None else float(metrics["eval_loss"])  # None: no eval data
         return {"step": metrics.get("step", ""), "tokens": metrics.get("tokens", ""), "eval_loss": loss,
                 "eval_ppl": float(metrics.get("eval_ppl") or math.exp(loss)), "source": FINAL_METRICS}
     return _from_tensorboard(run_dir, total_steps)

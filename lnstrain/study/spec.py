@@ -21,7 +21,19 @@ class SlurmOptions:
             (srun starts every rank; RANK/LOCAL_RANK/WORLD_SIZE from SLURM) or ``ssh`` (one DeepSpeed
             launcher on the first node reaches the others over ssh/pdsh with the hostfile).
         partition, account: ``#SBATCH`` partition and account (left out when unset).
-        time: wall-clock limit; the trainer gets SIGTERM ``signal_seconds`` before it and saves.
+        time: wall-clock limit of one job.
+        signal_seconds: SLURM sends the warning signal (``per_rank``: SIGTERM, else SIGUSR1) this long
+            before ``time``; it must cover the slowest step plus a checkpoint save (SLURM may send it up
+            to a minute early).
+        requeue: a job whose run stopped before its last step (exit 75) puts itself back in the queue
+            (``scontrol requeue``) and the same script resumes the run; false: it ends FAILED with
+            exit 75, to be resubmitted (by hand or by ``chain_jobs``).
+        max_requeues: with ``requeue``: a job that has been requeued this many times
+            (``$SLURM_RESTART_COUNT``) is not requeued again.
+        chain_jobs: for clusters that forbid requeueing (``requeue: false``): submit this many jobs,
+            each starting when the one before ends (``--dependency=afterany``); links after the run
+            finished exit at once, and a link after a failed job (exit other than 0 and 75) does not
+            resume it.
         cpus_per_task: CPUs per SLURM task.
         directives: extra ``#SBATCH`` lines, e.g. ``--exclusive`` or ``--qos=high``.
         setup: shell lines run before launching (``module load``, ``source venv/bin/activate``).
@@ -33,10 +45,26 @@ class SlurmOptions:
     account: str | None = None
     time: str = "24:00:00"
     signal_seconds: int = 180
+    requeue: bool = True
+    max_requeues: int = 50
+    chain_jobs: int = 1
     cpus_per_task: int = 8
     directives: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
     submit: bool = True
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.signal_seconds < 1:
+            problems.append(f"slurm.signal_seconds must be >= 1 (got {self.signal_seconds})")
+        if self.max_requeues < 0:
+            problems.append(f"slurm.max_requeues must be >= 0 (got {self.max_requeues})")
+        if self.chain_jobs < 1:
+            problems.append(f"slurm.chain_jobs must be >= 1 (got {self.chain_jobs})")
+        elif self.chain_jobs > 1 and self.requeue:
+            problems.append("slurm.chain_jobs > 1 is for clusters that forbid requeueing: set slurm.requeue: false "
+                            "(or chain_jobs: 1 to let the job requeue itself)")
+        return problems
 
 
 @dataclass
@@ -199,6 +227,7 @@ def load_study(path: str | Path) -> Study:
         problems.append("cluster.mfu and cluster.memory_margin must be in (0, 1]")
     if cluster.launcher == "deepspeed" and not cluster.hostfile:
         problems.append("cluster.launcher 'deepspeed' needs cluster.hostfile (see launch/hostfile.example)")
+    problems += [f"cluster.{problem}" for problem in cluster.slurm.validate()]
     if problems:
         raise ConfigError(problems, str(path))
     return study

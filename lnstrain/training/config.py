@@ -103,7 +103,10 @@ class TrainConfig:
         activation_checkpointing: ``none``, ``full`` (recompute each layer) or ``selective``
             (recompute attention only).
         compile: wrap each transformer layer in ``torch.compile``.
-        max_wallclock_minutes: save and exit cleanly once the run has used this long.
+        exit_after_minutes: save and stop cleanly (every rank after the same step, exit status 75)
+            before this many minutes have passed since training started in this process (Megatron-LM's
+            ``--exit-duration-in-mins``); for a job time limit without a warning signal. The margin
+            kept is the slowest step plus the slowest save seen so far.
         nonfinite_policy: what a step with a non-finite loss or output does (its update is never
             applied): ``skip`` (go on with the next batch), ``stop`` (save the last good weights and
             exit with status 3) or ``rollback`` (reload the last checkpoint and never train on the
@@ -129,7 +132,7 @@ class TrainConfig:
     eval_batches: int = 10
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
-    max_wallclock_minutes: float | None = None
+    exit_after_minutes: float | None = None
     nonfinite_policy: Literal["skip", "stop", "rollback"] = "skip"
     max_nonfinite_in_a_row: int = 10
     spike_window: int = 100
@@ -152,8 +155,8 @@ class TrainConfig:
                 problems.append(f"train.{key} must be >= 1 (got {value})")
         if self.eval_interval < 0 or self.eval_batches < 0:
             problems.append("train.eval_interval and train.eval_batches must be >= 0")
-        if self.max_wallclock_minutes is not None and self.max_wallclock_minutes <= 0:
-            problems.append(f"train.max_wallclock_minutes must be > 0 (got {self.max_wallclock_minutes})")
+        if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
+            problems.append(f"train.exit_after_minutes must be > 0 (got {self.exit_after_minutes})")
         if self.nonfinite_policy not in ("skip", "stop", "rollback"):
             problems.append(f"train.nonfinite_policy must be skip, stop or rollback (got {self.nonfinite_policy!r})")
         if self.max_nonfinite_in_a_row < 1:

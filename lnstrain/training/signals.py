@@ -3,7 +3,7 @@
 SIGTERM (a scheduler's warning before the kill) and SIGUSR1 (a user's "save and stop") only set a
 flag; the training loop asks ``poll()`` after each step, which all-reduces the local flags over the
 world, so either every rank stops after the same step or none does. The wall-clock limit
-(``train.max_wallclock_minutes``) and the time-based checkpoint interval go through the same
+(``train.exit_after_minutes``, Megatron-LM's ``--exit-duration-in-mins``) and the time-based checkpoint interval go through the same
 all-reduce, because clocks on different ranks disagree by a little.
 """
 
@@ -35,17 +35,18 @@ class StopController:
     """Installs the signal handlers and decides, collectively, when to stop or save.
 
     Args:
-        max_wallclock_minutes: stop (and save) before this much time has passed since construction;
-            the margin is the slowest step plus the slowest save seen so far.
+        exit_after_minutes: stop (and save) before this much time has passed since ``started``; the
+            margin is the slowest step plus the slowest save seen so far.
         save_interval_minutes: ask for a save when this much time passed since ``last_save_time``.
         device: where the flags live for the all-reduce (the accelerator with NCCL).
+        started: ``time.monotonic()`` when the clock of ``exit_after_minutes`` started (default: now).
     """
 
-    def __init__(self, max_wallclock_minutes: float | None, save_interval_minutes: float | None,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, exit_after_minutes: float | None, save_interval_minutes: float | None,
+                 device: torch.device | str = "cpu", started: float | None = None) -> None:
         self.device = torch.device(device)
-        self.started = time.monotonic()
-        self.deadline_s = None if max_wallclock_minutes is None else 60.0 * max_wallclock_minutes
+        self.started = time.monotonic() if started is None else started
+        self.deadline_s = None if exit_after_minutes is None else 60.0 * exit_after_minutes
         self.save_interval_s = None if save_interval_minutes is None else 60.0 * save_interval_minutes
         self.received: int | None = None
         self.slowest_step_s = 0.0
@@ -81,7 +82,7 @@ class StopController:
             name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
             return LoopDecision(stop=True, reason=f"received {name}", save_for_time=save_due)
         if out_of_time:
-            return LoopDecision(stop=True, reason="train.max_wallclock_minutes reached", save_for_time=save_due)
+            return LoopDecision(stop=True, reason="train.exit_after_minutes reached", save_for_time=save_due)
         return LoopDecision(save_for_time=save_due)
 
     def record_save(self, seconds: float) -> None:

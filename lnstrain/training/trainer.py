@@ -30,16 +30,13 @@ from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
+from lnstrain.training.outcome import EXIT_NONFINITE, EXIT_STOPPED, FINAL_METRICS_FILE
 from lnstrain.training.preflight import tokenizer_checksum
 from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
 from lnstrain.training.signals import StopController
 
 logger = logging.getLogger(__name__)
-
-EXIT_NONFINITE = 3
-"""Exit status of a run stopped by non-finite losses (``train.nonfinite_policy``)."""
-FINAL_METRICS_FILE = "final_metrics.json"
 
 
 @dataclass
@@ -53,6 +50,8 @@ class TrainingResult:
     resumed_from: str | None = None
     last_checkpoint: str | None = None
     exit_code: int = 0
+    """``launch/pretrain.py``'s exit status (``lnstrain.training.outcome``): 0 finished, 75 stopped to be
+    resumed, 3 stopped by non-finite losses."""
     rollbacks: list[str] = field(default_factory=list)
     """One entry per rollback: the checkpoint reloaded."""
 
@@ -80,6 +79,7 @@ class Trainer:
     """One run on this rank: owns the engine, the datasets, the checkpoint manager and the loggers."""
 
     def __init__(self, config: Config, world_size: int) -> None:
+        self.started = time.monotonic()  # train.exit_after_minutes counts from here
         self.config = config
         self.world_size = world_size
         self.rank = dist.get_rank()
@@ -202,9 +202,10 @@ class Trainer:
     def _write_final_metrics(self, result: TrainingResult) -> None:
         position = result.position
         loss = result.eval_losses.get(position.step)
-        if self.rank != 0 or loss is None:
+        if self.rank != 0:
             return
-        metrics = {"step": position.step, "tokens": position.tokens_seen, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+        metrics = {"step": position.step, "tokens": position.tokens_seen, "eval_loss": loss,
+                   "eval_ppl": None if loss is None else perplexity(loss)}  # also the run's "finished" marker
         write_atomically(self.config.run.dir / FINAL_METRICS_FILE, json.dumps(metrics, indent=2) + "\n")
 
     def train(self, stop_at_step: int | None = None) -> TrainingResult:
@@ -214,8 +215,8 @@ class Trainer:
         config = self.config
         position, resumed_from = self.resume()
         result = TrainingResult(position, resumed_from=str(resumed_from) if resumed_from else None)
-        stop = StopController(config.train.max_wallclock_minutes, config.checkpoint.interval_minutes,
-                              self.engine.device).install()
+        stop = StopController(config.train.exit_after_minutes, config.checkpoint.interval_minutes,
+                              self.engine.device, started=self.started).install()
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
         logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
                     position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
@@ -250,6 +251,7 @@ class Trainer:
                     self.recovery.checkpoint_saved()
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
+                    result.exit_code = EXIT_STOPPED
                     logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
                     return result
             self._record_eval(result)

@@ -6,8 +6,9 @@ One run directory goes through four launches:
      (the survivor's collective fails at once, the launcher stops it), ``latest`` still names step 2;
   2. the same command resumes from step 2; once step 4 is saved the test SIGKILLs rank 1's PID;
   3. the same command through ``launch/slurm/preemptible.py``; SIGTERM to the wrapper makes every
-     rank save and stop, and the launcher and the wrapper exit 0;
-  4. the same command finishes the run.
+     rank save and stop, and the launcher and the wrapper exit 75 (stopped to be resumed);
+  4. the same command finishes the run (exit 0);
+  5. the same command again says "already finished" and writes nothing.
 Every step's loss (TensorBoard, the last value written for it) equals the uninterrupted run's.
 """
 
@@ -29,6 +30,7 @@ from lnstrain.checkpoint.save_points import KILL_AT_ENV
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import free_port, run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
+from lnstrain.training.outcome import EXIT_STOPPED
 from tests.training.test_launch import LAUNCHER, REPO, launcher_env
 
 RUN = ["train.steps=8", "checkpoint.interval_steps=2", "train.eval_interval=0", "logging.tensorboard=true"]
@@ -120,7 +122,7 @@ def test_crash_and_preemption_under_the_deepspeed_launcher(tiny_corpus, tmp_path
     preemptible.until(r"resumed from .*global_step[46]")
     preemptible.until(r"step \d/8 \|")
     preemptible.process.send_signal(signal.SIGTERM)
-    assert preemptible.finish(EXIT_WITHIN_S) == 0, preemptible.text[-3000:]
+    assert preemptible.finish(EXIT_WITHIN_S) == EXIT_STOPPED, preemptible.text[-3000:]
     assert "received SIGUSR1" in preemptible.text and "stopping after step" in preemptible.text
     assert int(re.search(r"done \(received SIGUSR1\) at step (\d)", preemptible.text).group(1)) < 8
 
@@ -133,3 +135,13 @@ def test_crash_and_preemption_under_the_deepspeed_launcher(tiny_corpus, tmp_path
     assert sorted(losses) == list(range(1, 9))
     for step, loss in losses.items():
         assert abs(loss - straight.losses[step]) <= TOLERANCE + 5e-7, (step, loss, straight.losses[step])  # fp32 scalars
+
+    files_before = file_states(root)
+    again = Launch(command)
+    assert again.finish(180) == 0, again.text[-3000:]
+    assert "run 'tiny' already finished at step 8" in again.text, again.text[-3000:]
+    assert file_states(root) == files_before  # no new event file, checkpoint or final evaluation
+
+
+def file_states(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}

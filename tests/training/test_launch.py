@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, step_of
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
+from lnstrain.training.outcome import EXIT_STOPPED
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "launch" / "pretrain.py"
@@ -48,7 +49,7 @@ def test_preflight_reports_every_problem_before_training(tiny_corpus, tmp_path):
     assert time.monotonic() - started < 60
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_to_be_resumed(tiny_corpus, tmp_path):
     overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [
         "train.steps=1000", "checkpoint.interval_steps=0", "train.eval_interval=0"]
     process = subprocess.Popen(launcher_command(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -61,7 +62,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
                 process.send_signal(signal.SIGTERM)
                 break
         output += process.stdout.readlines()
-        assert process.wait(timeout=120) == 0, "".join(output)
+        assert process.wait(timeout=120) == EXIT_STOPPED, "".join(output)
     finally:
         if process.poll() is None:
             process.kill()

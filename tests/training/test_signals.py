@@ -1,11 +1,19 @@
-"""The stop decisions of one process: signals, the wall-clock limit, time-based saves."""
+"""The stop decisions: signals, the wall-clock limit (``train.exit_after_minutes``), time-based saves."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 
+import pytest
+
+from lnstrain.checkpoint.manager import read_latest
+from lnstrain.config.run_config import load_config
+from lnstrain.testing.distributed import run_distributed
+from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
+from lnstrain.training.outcome import EXIT_STOPPED
 from lnstrain.training.signals import StopController
 
 
@@ -23,13 +31,13 @@ def test_sigusr1_and_sigterm_only_set_a_flag_until_polled():
 
 
 def test_wallclock_limit_leaves_room_for_the_slowest_step_and_save():
-    stop = StopController(max_wallclock_minutes=1.0, save_interval_minutes=None)
+    stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None)
     assert not stop.poll(last_step_s=20.0, last_save_time=time.monotonic()).stop
     stop.record_save(30.0)  # 20 s step + 30 s save + elapsed >= 60 s is not yet true...
     assert not stop.poll(last_step_s=1.0, last_save_time=time.monotonic()).stop
     stop.record_save(45.0)  # ...but 20 + 45 is over the minute: stop now, while a save still fits
     decision = stop.poll(last_step_s=1.0, last_save_time=time.monotonic())
-    assert decision.stop and decision.reason == "train.max_wallclock_minutes reached"
+    assert decision.stop and decision.reason == "train.exit_after_minutes reached"
 
 
 def test_time_based_save_is_due_after_the_interval():
@@ -37,3 +45,20 @@ def test_time_based_save_is_due_after_the_interval():
     assert not stop.poll(1.0, last_save_time=time.monotonic()).save_for_time
     decision = stop.poll(1.0, last_save_time=time.monotonic() - 61.0)
     assert decision.save_for_time and not decision.stop
+
+
+def stop_by_time(rank: int, world_size: int, corpus, root: Path) -> tuple:
+    from lnstrain.training.trainer import pretrain
+
+    # 6 ms after the trainer starts: already past when the first step ends (building the engine takes longer)
+    overrides = tiny_run_overrides(corpus, root) + ["train.exit_after_minutes=0.0001", "checkpoint.interval_steps=0"]
+    result = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+    return result.stop_reason, result.exit_code, sorted(result.losses), Path(result.last_checkpoint).name
+
+
+@pytest.mark.multirank
+def test_exit_after_minutes_saves_and_stops_every_rank_after_the_same_step(tiny_corpus, tmp_path):
+    results = run_distributed(stop_by_time, 2, tiny_corpus, tmp_path, timeout_s=240)
+    assert results[0] == results[1], results
+    assert results[0] == ("train.exit_after_minutes reached", EXIT_STOPPED, [1], "global_step1"), results
+    assert read_latest(tmp_path / "tiny" / "checkpoints").name == "global_step1"
