@@ -55,8 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fail(problems: list[str], source: str) -> None:
-    lines = "\n".join(f"  - {problem}" for problem in problems)
-    print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
+    """Print the problems once per node (the first local rank: files may differ between nodes) and exit 2
+    on every rank, before any process group exists."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
     sys.exit(EXIT_BAD_CONFIG)
 
 
@@ -160,17 +163,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(args, overrides, world_size)
             return 0
-        from lnstrain.config.run_config import load_config  # imports torch: seconds on a cold file system
+        from lnstrain.config.run_config import load_config_with_problems  # imports torch: seconds when cold
 
-        config = load_config(args.config, overrides, world_size, validate=False)
-        finished_at = already_finished(config)
+        config, typing_problems = load_config_with_problems(args.config, overrides)
+        if config is None:
+            fail(typing_problems, args.config)
+        finished_at = None if typing_problems else already_finished(config)
         if finished_at is not None:
             logger.info("run '%s' already finished at step %d (%s); nothing to do", config.run.name, finished_at,
                         config.run.dir)
             return EXIT_FINISHED
         from lnstrain.training.preflight import preflight_problems
 
-        problems = preflight_problems(config, world_size)
+        problems = preflight_problems(config, world_size, typing_problems)
     except ConfigError as error:
         fail(error.problems, args.config)
     if problems:

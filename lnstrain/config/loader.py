@@ -145,7 +145,11 @@ def _build(cls: type[T], data: dict, path: str, problems: list[str]) -> T:
         if key not in fields:
             problems.append(f"unknown key '{where}'{suggest(str(key), fields)}")
             continue
-        kwargs[key] = _convert(value, hints[key], where, problems)
+        before = len(problems)
+        converted = _convert(value, hints[key], where, problems)
+        if len(problems) == before or (dataclasses.is_dataclass(converted) and not isinstance(converted, type)):
+            kwargs[key] = converted  # a value that does not convert is left at its default, so that the
+            # rest of the config can still be built and checked (every problem reported at once)
     for name, f in fields.items():
         if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
             problems.append(f"missing required key '{path + '.' if path else ''}{name}'")

@@ -206,15 +206,29 @@ def _expand_model_preset(data: dict, problems: list[str]) -> dict:
     return {**data, "model": {**to_dict(MODEL_PRESETS[name]), **model}}
 
 
-def config_from_dict(data: dict, source: str = "config") -> Config:
-    """Type a raw config mapping; raises ``ConfigError`` listing every typing problem."""
+def typed_config(data: dict) -> tuple[Config | None, list[str]]:
+    """Type a raw config mapping: the config and every typing problem (unknown keys, wrong types).
+
+    Values that do not convert are left at their defaults, so the config is still built (None only
+    when a required key is missing) and its other problems can be checked beside these."""
     problems: list[str] = []
     data = _expand_model_preset(data, problems)
     config, typing_problems = from_dict(Config, data)
-    problems += typing_problems
+    return config, problems + typing_problems
+
+
+def config_from_dict(data: dict, source: str = "config") -> Config:
+    """Type a raw config mapping; raises ``ConfigError`` listing every typing problem."""
+    config, problems = typed_config(data)
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def load_config_with_problems(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[Config | None, list[str]]:
+    """Load a YAML run description with overrides: the config and its typing problems, without raising
+    for them (an unreadable file still raises ``ConfigError``). See ``typed_config``."""
+    return typed_config(apply_overrides(load_yaml_with_bases(path), overrides))
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_size: int | None = None,

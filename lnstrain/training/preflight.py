@@ -92,15 +92,62 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     return problems + data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
 
 
-def preflight_problems(config: Config, world_size: int) -> list[str]:
-    """Every problem with the config, its files, the output directories and the resume checkpoint.
+def data_file_problems(config: Config) -> list[str]:
+    """Every token file that exists must be a whole, consistent ``.idx``/``.bin`` pair whose token ids fit
+    the model's vocabulary (missing files are reported by ``data.validate``). Reading a large ``.bin``
+    for its id range takes a while once; the range is cached beside the ``.idx``."""
+    from lnstrain.data.indexed_dataset import IndexedDataset
+    from lnstrain.data.token_check import token_id_range
 
-    Creates the run and checkpoint directories (proving they are writable).
+    problems = []
+    vocab = config.model.vocab_size
+    for key, sources in (("data.sources", config.data.sources), ("data.valid_sources", config.data.valid_sources)):
+        for index, source in enumerate(sources):
+            prefix = source.prefix
+            if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
+                continue
+            where = f"{key}[{index}].prefix"
+            try:
+                IndexedDataset(prefix)
+                low, high = token_id_range(prefix)
+            except (OSError, ValueError) as error:  # CorruptDatasetError is a ValueError naming the file
+                problems.append(f"{where}: {error}; recreate it with tools/preprocess_data.py")
+                continue
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                problems.append(f"{where}: {prefix}.bin holds token id {bad}, outside the model's vocabulary "
+                                f"[0, {vocab}): it was tokenized with another tokenizer (re-run "
+                                "tools/preprocess_data.py with data.tokenizer, or fix model.vocab_size)")
+    return problems
+
+
+def device_problems(config: Config) -> list[str]:
+    """What this machine cannot run: fp16 needs a GPU (DeepSpeed's CPU accelerator refuses it)."""
+    import torch
+
+    if config.precision.dtype == "fp16" and not torch.cuda.is_available():
+        return ["precision.dtype: fp16 needs a GPU and this machine has none (DeepSpeed's CPU accelerator "
+                "has no fp16); use bf16 or fp32 here (--set precision.dtype=bf16)"]
+    return []
+
+
+def preflight_problems(config: Config, world_size: int, typing_problems: list[str] | None = None) -> list[str]:
+    """Every problem with the config, its files, this machine, the output directories and the resume
+    checkpoint, beside the config's ``typing_problems`` (unknown keys, wrong types: the config was
+    built with defaults in their place).
+
+    Creates the run and checkpoint directories (proving they are writable), unless the config has
+    typing problems (its paths may not be the ones meant).
     """
     from lnstrain.training.engine import layout_problems
 
-    problems = list(dict.fromkeys(config.validate(world_size) + layout_problems(config, world_size)))
+    typing_problems = list(typing_problems or [])
+    problems = list(dict.fromkeys(typing_problems + config.validate(world_size) + layout_problems(config, world_size)))
+    problems += device_problems(config)
     problems += tokenizer_problems(config)
+    problems += data_file_problems(config)
+    if typing_problems:
+        return problems
     run_dir_problems = writable_dir_problems(config.run.dir, "run.output_dir")
     problems += run_dir_problems
     checkpoint_key = "checkpoint.dir" if config.checkpoint.dir else "run.output_dir"

@@ -93,7 +93,8 @@ def test_deepspeed_json_follows_the_config():
     ds = deepspeed_config(config, world_size=2)
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2
     assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
-    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    # the user's bucket wins; the all-gather bucket keeps lnstrain's cap at the rank's parameters (2**20 here)
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 2**20}
 
 
 def test_steps_from_token_budget():
