@@ -159,10 +159,12 @@ def _answer_index(record: dict, where: str) -> int:
     return index
 
 
-def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int] = ()) -> list[MultipleChoiceItem]:
+def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int] = (),
+                         encode_choice=None) -> list[MultipleChoiceItem]:
     """Read a JSONL task: one {"question": str, "choices": [str, ...], "answer": index | text | letter}
     per line. `encode(text) -> list[int]` tokenizes; `context_prefix` (e.g. the document separator)
-    goes before each question. Each choice is tokenized on its own, as a continuation."""
+    goes before each question. Each choice is tokenized on its own, as a continuation:
+    `encode_choice(question, choice) -> list[int]` when given, else `encode(choice)`."""
     items = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):
@@ -178,7 +180,8 @@ def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int]
                 raise ValueError(f"{where}: need 'question', 'choices' (a list of at least 2) and 'answer'; "
                                  f"missing {missing}" if missing else f"{where}: 'choices' must list at least 2")
             items.append(MultipleChoiceItem(context=list(context_prefix) + list(encode(record["question"])),
-                                            choices=[list(encode(c)) for c in record["choices"]],
+                                            choices=[list(encode_choice(record["question"], c) if encode_choice
+                                                          else encode(c)) for c in record["choices"]],
                                             answer=_answer_index(record, where)))
     if not items:
         raise ValueError(f"{path}: no questions")
