@@ -65,11 +65,11 @@ def evaluate_loss(model: nn.Module | DepthModel, batches: Sequence[Batch]) -> tu
     model = as_depth_model(model)
     total, count = 0.0, 0
     for batch in batches:
-        logits = model.logits(batch.tokens.to(model.input_device))[..., :model.vocab_size].float()
-        labels, mask = batch.labels.to(logits.device), batch.loss_mask.to(logits.device)
-        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        mask = mask.flatten().float()
-        total += float((per_token * mask).sum())
+        logits = model.logits(batch.tokens.to(model.input_device))
+        labels, mask = batch.labels.to(logits.device), batch.loss_mask.to(logits.device).float()
+        for row in range(logits.shape[0]):  # one sequence's logits in fp32 at a time: a large vocabulary's are big
+            per_token = F.cross_entropy(logits[row, :, :model.vocab_size].float(), labels[row], reduction="none")
+            total += float((per_token * mask[row]).sum())
         count += int(mask.sum())
     if count == 0:
         raise ValueError("no validation tokens: every loss_mask is zero")
