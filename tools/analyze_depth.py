@@ -11,7 +11,8 @@ layer l alone is skipped). Writes JSON, CSV, a Markdown report and (with matplot
     python tools/analyze_depth.py --state-dict lns.pt --config configs/demo.yaml --data data/valid --output out/lns
     # a Hugging Face model as it is on disk (LLaMA, Mistral, Qwen2, Qwen3), through transformers,
     # on text tokenized by its own tokenizer
-    python tools/analyze_depth.py --hf models/Llama-2-7b-hf --text valid.jsonl --dtype bf16 --device cuda --output out/llama2
+    python tools/analyze_depth.py --hf models/Llama-2-7b-hf --text valid.jsonl --dtype bf16 --device cuda \
+        --output out/llama2
     # Pre-LN and LNS side by side, from finished analyses, checkpoints or Hugging Face directories
     python tools/analyze_depth.py --compare out/pre_ln out/lns --output out/compare
     # several seeds per scheme: runs of one norm scheme are seeds in the claim verdicts
@@ -73,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     data.add_argument("--text", metavar="FILE",
                       help="validation text instead of --data (.jsonl with a 'text' key, .txt, or .gz/.zst of "
                            "them; a glob), tokenized by each model's own tokenizer")
-    data.add_argument("--seq-len", type=int, help="window length in tokens (default: the config's data.seq_len; "
-                                                  f"Hugging Face: {HF_DEFAULT_SEQ_LEN} or the model's context if shorter)")
+    data.add_argument("--seq-len", type=int,
+                      help=f"window length in tokens (default: the config's data.seq_len; Hugging Face: "
+                           f"{HF_DEFAULT_SEQ_LEN} or the model's context if shorter)")
     data.add_argument("--num-samples", type=int, default=64, help="validation windows of seq_len + 1 tokens")
     data.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     data.add_argument("--mc-task", help="multiple-choice JSONL: {question, choices, answer} per line")
@@ -103,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"give one model: {', '.join(sources + (['--compare'] if args.compare else []))} were all given")
     if args.data and args.text:
         p.error("give --data or --text, not both")
+    if args.data_tokenizer and not args.data:
+        p.error("--data-tokenizer names the tokenizer of --data token files: give --data too")
+    if args.offload_folder and not args.device_map:
+        p.error("--offload-folder goes with --device-map")
+    if args.hf and args.tokenizer:
+        p.error("--tokenizer is for lnstrain runs: a Hugging Face model uses the tokenizer in its directory")
     if args.compare and args.names and len(args.names) != len(args.compare):
         p.error(f"--names has {len(args.names)} entries for {len(args.compare)} --compare runs")
     for flag in ("num_samples", "batch_size", "seq_len"):

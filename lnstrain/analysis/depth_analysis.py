@@ -95,7 +95,8 @@ def effective_norm_gains(model: nn.Module | DepthModel) -> list[list[float]]:
     return as_depth_model(model).norm_gains()
 
 
-def measure_representations(model: nn.Module | DepthModel, batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
+def measure_representations(model: nn.Module | DepthModel,
+                            batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
     """(output variance per state, [L + 1, L + 1] angular distances), in one pass over the batches."""
     variance, angular = VarianceAccumulator(), AngularDistanceAccumulator()
     for _batch, states in iterate_residual_streams(model, batches):

@@ -9,11 +9,10 @@ tokenizer (`text_tokens.DocumentTokenizer.document`), only as far as the windows
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from lnstrain.analysis.representations import Batch
 from lnstrain.data.corpus_readers import expand_inputs, iter_documents

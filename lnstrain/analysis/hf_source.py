@@ -29,12 +29,14 @@ from torch import nn
 
 from lnstrain.analysis.model_source import DepthModel
 from lnstrain.analysis.text_tokens import HFDocuments
+from lnstrain.checkpoint.lns_fold import RECORD_KEY
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INSTALL_HINT = "pip install 'lnstrain[hf]' (transformers and safetensors)"
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def load_hf_tokenizer(path: str | Path) -> HFDocuments | None:
     """The directory's tokenizer, or None when it has none that transformers can read."""
     transformers = _transformers()
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                               trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         logger.info("%s: no tokenizer (%s)", path, e)
         return None
@@ -197,8 +200,9 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.
     model.eval()
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ValueError(f"{path}: transformers built {type(model).__name__}, which has no model.layers block list")
-    record = config.get("lnstrain") or {}
+    record = config.get(RECORD_KEY) or {}
     placement = "a device map" if device_map is not None else str(device)
     logger.info("%s: %s, %d layers, %s on %s", path, type(model).__name__, len(model.model.layers), dtype, placement)
-    return HFDepthModel(model, family, name=name or path.resolve().name, norm_scheme=record.get("norm_scheme", "pre_ln"),
+    return HFDepthModel(model, family, name=name or path.resolve().name,
+                        norm_scheme=record.get("norm_scheme", "pre_ln"),
                         source=f"Hugging Face {config['model_type']}, {dtype}", tokenizer=load_hf_tokenizer(path))

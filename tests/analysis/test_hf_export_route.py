@@ -14,7 +14,6 @@ from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 from tests.tool_scripts import load_tool
-from tests.training.conftest import tiny_corpus  # noqa: F401  (a fixture, used by name)
 
 pytest.importorskip("transformers")
 
@@ -30,7 +29,7 @@ def train(rank: int, world_size: int, overrides: list[str]) -> str:
     return str(config.run.dir)
 
 
-def test_a_checkpoint_and_its_fp32_export_agree(tiny_corpus, tmp_path):  # noqa: F811
+def test_a_checkpoint_and_its_fp32_export_agree(tiny_corpus, tmp_path):
     run_dir = run_distributed(train, 1, tiny_run_overrides(tiny_corpus, tmp_path) + RUN)[0]
     assert load_tool("convert_to_hf").main(["--checkpoint", run_dir, "--output", str(tmp_path / "hf"),
                                             "--dtype", "fp32"]) == 0

@@ -18,7 +18,6 @@ import torch
 
 from lnstrain.analysis.report import read_analyses
 from tests.analysis.hf_models import EOS, NUM_LAYERS, save_tiny_model
-from tests.training.conftest import tiny_corpus  # noqa: F401  (a fixture, used by name)
 from tools.analyze_depth import main as analyze_depth
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +32,7 @@ def corpus_documents(corpus) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tiny_corpus, tmp_path_factory):  # noqa: F811
+def hf_dirs(tiny_corpus, tmp_path_factory):
     """One saved tiny model per family (built on first use)."""
     built = {}
 
@@ -84,7 +83,7 @@ def transformers_loss(model, windows: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pruning_matches_transformers_with_the_layer_deleted(family, hf_dirs, tiny_corpus, tmp_path, caplog):  # noqa: F811
+def test_pruning_matches_transformers_with_the_layer_deleted(family, hf_dirs, tiny_corpus, tmp_path, caplog):
     directory = hf_dirs(family)
     with caplog.at_level(logging.INFO, logger="lnstrain.analysis.progress"):
         assert analyze_depth(["--hf", str(directory), "--text", str(tiny_corpus.jsonl), "--seq-len", str(SEQ_LEN),
@@ -130,7 +129,7 @@ def test_documents_questions_and_answers_use_the_models_tokenizer(hf_dirs):
         assert tokenizer.encode("A layer scales") + answer == tokenizer.encode("A layer scales the loss")
 
 
-def test_multiple_choice_with_the_models_tokenizer(hf_dirs, tiny_corpus, tmp_path):  # noqa: F811
+def test_multiple_choice_with_the_models_tokenizer(hf_dirs, tiny_corpus, tmp_path):
     questions = [{"question": "The model reads", "choices": ["the signal.", "its variance again."], "answer": 0},
                  {"question": "A layer scales", "choices": ["one value", "the loss", "every step"], "answer": "B"}]
     (tmp_path / "task.jsonl").write_text("\n".join(json.dumps(q) for q in questions))
@@ -143,7 +142,7 @@ def test_multiple_choice_with_the_models_tokenizer(hf_dirs, tiny_corpus, tmp_pat
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("bf16", 0.05), ("fp16", 0.01)])
-def test_half_precision_loads_half_weights_and_stays_close(dtype, tolerance, hf_dirs, tiny_corpus):  # noqa: F811
+def test_half_precision_loads_half_weights_and_stays_close(dtype, tolerance, hf_dirs, tiny_corpus):
     from lnstrain.analysis.eval_data import text_batches
     from lnstrain.analysis.hf_source import DTYPES, load_hf_model
     from lnstrain.analysis.pruning import evaluate
@@ -156,7 +155,7 @@ def test_half_precision_loads_half_weights_and_stays_close(dtype, tolerance, hf_
     assert full_loss != half_loss and abs(full_loss - half_loss) < tolerance
 
 
-def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_corpus, tmp_path):  # noqa: F811
+def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_corpus, tmp_path):
     """Layers 2-3 offloaded to disk: accelerate's hooks load them for each forward, and hold their norm weights."""
     pytest.importorskip("accelerate")
     from lnstrain.analysis.depth_analysis import analyze_model
@@ -173,11 +172,12 @@ def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_
     batches = text_batches(str(tiny_corpus.jsonl), plain.tokenizer.document, SEQ_LEN, 2, 2)
     placed_run, plain_run = analyze_model(placed, batches), analyze_model(plain, batches)
     assert placed_run.output_variance == pytest.approx(plain_run.output_variance, rel=1e-6)
-    assert [p.delta_loss for p in placed_run.pruning] == pytest.approx([p.delta_loss for p in plain_run.pruning], abs=1e-6)
+    placed_deltas, plain_deltas = ([p.delta_loss for p in run.pruning] for run in (placed_run, plain_run))
+    assert placed_deltas == pytest.approx(plain_deltas, abs=1e-6)
     assert placed_run.norm_gains == plain_run.norm_gains
 
 
-def test_unsupported_architectures_and_missing_pieces_are_refused(hf_dirs, tiny_corpus, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_unsupported_architectures_and_missing_pieces_are_refused(hf_dirs, tiny_corpus, tmp_path, capsys, monkeypatch):
     def refused(*argv: str) -> str:
         capsys.readouterr()
         assert analyze_depth([*argv, "--output", str(tmp_path / "out"), "--no-plots"]) == 2
