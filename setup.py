@@ -13,8 +13,9 @@ EXTRAS = {
     "zstd": ["zstandard>=0.21"],
     # PNG plots in depth-analysis and scaling-study reports.
     "plots": ["matplotlib>=3.7"],
-    # Hugging Face export/import (safetensors shards) and the transformers baseline benchmark.
-    "hf": ["safetensors>=0.4", "transformers>=4.40"],
+    # Hugging Face export/import (safetensors shards), the transformers baseline benchmark, and
+    # tools/analyze_depth.py --hf (accelerate: transformers' device_map for models larger than one device).
+    "hf": ["safetensors>=0.4", "transformers>=4.40", "accelerate>=0.26"],
     # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM.
     "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40"],
 }

@@ -17,15 +17,23 @@ def angular_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi
 
 
-def pairwise_angular_distance(states: list[torch.Tensor]) -> torch.Tensor:
+def pairwise_angular_distance(states: list[torch.Tensor], chunk_elements: int = 2**27) -> torch.Tensor:
     """Sum over tokens of the distance between every pair of states: [R, R] float64, and R = len(states).
 
-    states: R tensors [batch, seq, hidden] (the same tokens at different depths).
+    states: R tensors [batch, seq, hidden] (the same tokens at different depths). Tokens are taken in
+    chunks of at most `chunk_elements` float64 values across all states (1 GiB by default), so that a
+    large model's L + 1 states are never all copied to float64 at once.
     """
-    stacked = torch.stack([s.reshape(-1, s.shape[-1]) for s in states]).double()  # [R, T, H]
-    unit = stacked / stacked.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    cos = torch.einsum("rth,qth->rqt", unit, unit).clamp(-1.0, 1.0)
-    return (torch.arccos(cos) / math.pi).sum(dim=-1)
+    flat = [s.reshape(-1, s.shape[-1]) for s in states]
+    tokens, hidden = flat[0].shape
+    step = max(1, chunk_elements // (len(flat) * hidden))
+    total = torch.zeros(len(flat), len(flat), dtype=torch.float64, device=flat[0].device)
+    for start in range(0, tokens, step):
+        stacked = torch.stack([f[start:start + step] for f in flat]).double()  # [R, T, H]
+        unit = stacked / stacked.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+        cos = torch.einsum("rth,qth->rqt", unit, unit).clamp(-1.0, 1.0)
+        total += (torch.arccos(cos) / math.pi).sum(dim=-1)
+    return total
 
 
 class AngularDistanceAccumulator:

@@ -1,7 +1,9 @@
 """One model's depth analysis: variance, angular distance, layer pruning and their summary.
 
-`analyze_model` runs everything on a single-process model and returns a `DepthAnalysis`, a plain
-record that `report.py` writes as JSON, CSV, Markdown and plots (and reads back for `--compare`).
+`analyze_model` runs everything on a model (a single-process lnstrain `Transformer`, or any
+`model_source.DepthModel`, e.g. a Hugging Face model through `hf_source`) and returns a
+`DepthAnalysis`, a plain record that `report.py` writes as JSON, CSV, Markdown and plots (and reads
+back for `--compare`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 from torch import nn
 
 from lnstrain.analysis.angular import AngularDistanceAccumulator, distance_by_offset
+from lnstrain.analysis.model_source import DepthModel, as_depth_model
+from lnstrain.analysis.progress import Progress
 from lnstrain.analysis.pruning import EvalResult, LayerPruning, MultipleChoiceItem, layer_pruning
-from lnstrain.analysis.representations import Batch, iterate_residual_streams, transformer_blocks
+from lnstrain.analysis.representations import Batch, iterate_residual_streams
 from lnstrain.analysis.variance import VarianceAccumulator
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ class DepthAnalysis:
     norm_gains: list[list[float]] = field(default_factory=list)
     """[L][2]: mean |effective gain| of layer l's attention and MLP norms (the learned gain times any
     factor the scheme applies to the norm's output, e.g. LNS's 1/sqrt(l)); empty in older analyses."""
+    source: str = ""
+    """What was measured: the model's kind and dtype (e.g. "Hugging Face llama, bf16"); empty in older analyses."""
 
     def distance_by_offset(self) -> list[list[float | None]]:
         return distance_by_offset(torch.tensor(self.angular_distance))
@@ -84,13 +90,13 @@ def summarize(pruning: Sequence[LayerPruning], threshold: float = DEFAULT_NEAR_I
                         deep_half_share=sum(deep) / total if total > 0 else 0.0)
 
 
-def effective_norm_gains(model: nn.Module) -> list[list[float]]:
+def effective_norm_gains(model: nn.Module | DepthModel) -> list[list[float]]:
     """[L][2]: mean |gain × output scale| of each layer's attention and MLP norm."""
-    return [[float(norm.weight.detach().abs().mean()) * getattr(norm, "output_scale", 1.0)
-             for norm in (block.attention_norm, block.mlp_norm)] for block in transformer_blocks(model)]
+    return as_depth_model(model).norm_gains()
 
 
-def measure_representations(model: nn.Module, batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
+def measure_representations(model: nn.Module | DepthModel,
+                            batches: Sequence[Batch]) -> tuple[list[float], list[list[float]]]:
     """(output variance per state, [L + 1, L + 1] angular distances), in one pass over the batches."""
     variance, angular = VarianceAccumulator(), AngularDistanceAccumulator()
     for _batch, states in iterate_residual_streams(model, batches):
@@ -99,17 +105,20 @@ def measure_representations(model: nn.Module, batches: Sequence[Batch]) -> tuple
     return variance.variances(), angular.matrix().tolist()
 
 
-def analyze_model(model: nn.Module, batches: Sequence[Batch], *, name: str = "model",
+def analyze_model(model: nn.Module | DepthModel, batches: Sequence[Batch], *, name: str | None = None,
                   items: Sequence[MultipleChoiceItem] = (),
                   near_identity_threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthAnalysis:
-    """Everything the depth report shows, for a single-process `Transformer`."""
-    cfg = model.cfg
-    scheme = getattr(cfg.norm_scheme, "value", str(cfg.norm_scheme))
-    logger.info("%s: residual-stream variance and angular distance over %d batches", name, len(batches))
+    """Everything the depth report shows. `name` defaults to the model's (for lnstrain: its norm scheme).
+    Logs a progress line with an ETA after each of the L + 2 passes over the batches."""
+    model = as_depth_model(model)
+    name = name or model.name
+    progress = Progress(name, model.num_layers + 2)
+    logger.info("%s: %d layers; residual-stream variance and angular distance over %d batches, then layer "
+                "pruning (%d evaluations)", name, model.num_layers, len(batches), model.num_layers + 1)
     output_variance, angular = measure_representations(model, batches)
-    logger.info("%s: layer pruning (%d evaluations)", name, cfg.num_layers + 1)
-    baseline, pruning = layer_pruning(model, batches, items, cfg.max_seq_len)
-    return DepthAnalysis(name=name, num_layers=cfg.num_layers, norm_scheme=scheme, validation_tokens=baseline.tokens,
-                         output_variance=output_variance, angular_distance=angular, baseline=baseline,
-                         pruning=pruning, summary=summarize(pruning, near_identity_threshold),
-                         norm_gains=effective_norm_gains(model))
+    progress.done("residual stream")
+    baseline, pruning = layer_pruning(model, batches, items, model.max_seq_len, progress=progress)
+    return DepthAnalysis(name=name, num_layers=model.num_layers, norm_scheme=model.norm_scheme,
+                         validation_tokens=baseline.tokens, output_variance=output_variance, angular_distance=angular,
+                         baseline=baseline, pruning=pruning, summary=summarize(pruning, near_identity_threshold),
+                         norm_gains=model.norm_gains(), source=model.source)

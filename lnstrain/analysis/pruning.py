@@ -1,4 +1,4 @@
-"""Layer pruning: remove one layer at a time (the block becomes the identity) and measure what is lost.
+"""Layer pruning: remove one layer at a time (the block passes its input through) and measure what is lost.
 
 ΔP(l) is the change of a validation metric when layer l alone is skipped: validation loss and
 perplexity, and optionally accuracy on a multiple-choice task scored by per-choice log-likelihood.
@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnstrain.analysis.representations import Batch, transformer_blocks
+from lnstrain.analysis.model_source import DepthModel, as_depth_model
+from lnstrain.analysis.progress import Progress
+from lnstrain.analysis.representations import Batch
 
 
 @dataclass
@@ -51,35 +53,23 @@ class MultipleChoiceItem:
 
 
 @contextmanager
-def layer_skipped(model: nn.Module, layer_number: int) -> Iterator[None]:
-    """Within the block, layer `layer_number` is replaced by the identity."""
-    block = transformer_blocks(model)[layer_number - 1]
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if child is block:
-                setattr(parent, name, nn.Identity())
-                try:
-                    yield
-                finally:
-                    setattr(parent, name, block)
-                return
-    raise ValueError(f"layer {layer_number} not found under the model")
-
-
-def _vocab_size(model: nn.Module) -> int:
-    return model.cfg.vocab_size
+def layer_skipped(model: nn.Module | DepthModel, layer_number: int) -> Iterator[None]:
+    """Within the block, layer `layer_number` passes its input through unchanged."""
+    with as_depth_model(model).layer_skipped(layer_number):
+        yield
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, batches: Sequence[Batch]) -> tuple[float, int]:
+def evaluate_loss(model: nn.Module | DepthModel, batches: Sequence[Batch]) -> tuple[float, int]:
     """(token-weighted mean cross-entropy, number of counted tokens) over the batches."""
+    model = as_depth_model(model)
     total, count = 0.0, 0
-    vocab = _vocab_size(model)
     for batch in batches:
-        logits = model(batch.tokens)[..., :vocab].float()
-        per_token = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
-        mask = batch.loss_mask.flatten().float()
-        total += float((per_token * mask).sum())
+        logits = model.logits(batch.tokens.to(model.input_device))
+        labels, mask = batch.labels.to(logits.device), batch.loss_mask.to(logits.device).float()
+        for row in range(logits.shape[0]):  # one sequence's logits in fp32 at a time: a large vocabulary's are big
+            per_token = F.cross_entropy(logits[row, :, :model.vocab_size].float(), labels[row], reduction="none")
+            total += float((per_token * mask[row]).sum())
         count += int(mask.sum())
     if count == 0:
         raise ValueError("no validation tokens: every loss_mask is zero")
@@ -87,8 +77,9 @@ def evaluate_loss(model: nn.Module, batches: Sequence[Batch]) -> tuple[float, in
 
 
 @torch.no_grad()
-def choice_log_likelihoods(model: nn.Module, item: MultipleChoiceItem, max_seq_len: int) -> list[float]:
+def choice_log_likelihoods(model: nn.Module | DepthModel, item: MultipleChoiceItem, max_seq_len: int) -> list[float]:
     """Sum of log p(choice tokens | context) for each choice (contexts cut from the left to fit)."""
+    model = as_depth_model(model)
     sequences, starts = [], []
     for choice in item.choices:
         if not choice:
@@ -97,18 +88,21 @@ def choice_log_likelihoods(model: nn.Module, item: MultipleChoiceItem, max_seq_l
         sequences.append(sequence)
         starts.append(max(len(sequence) - len(choice), 0))
     width = max(len(s) for s in sequences)
-    tokens = torch.zeros(len(sequences), width, dtype=torch.long, device=next(model.parameters()).device)
+    tokens = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, sequence in enumerate(sequences):
         tokens[row, :len(sequence)] = torch.tensor(sequence)
-    log_probs = F.log_softmax(model(tokens[:, :-1])[..., :_vocab_size(model)].float(), dim=-1)
+    logits = model.logits(tokens[:, :-1].to(model.input_device))
+    log_probs = F.log_softmax(logits[..., :model.vocab_size].float(), dim=-1)
+    tokens = tokens.to(log_probs.device)
     scores = []
     for row, (sequence, start) in enumerate(zip(sequences, starts)):
-        positions = torch.arange(max(start, 1) - 1, len(sequence) - 1, device=tokens.device)
+        positions = torch.arange(max(start, 1) - 1, len(sequence) - 1, device=log_probs.device)
         scores.append(float(log_probs[row, positions, tokens[row, positions + 1]].sum()))
     return scores
 
 
-def multiple_choice_accuracy(model: nn.Module, items: Sequence[MultipleChoiceItem], max_seq_len: int) -> float:
+def multiple_choice_accuracy(model: nn.Module | DepthModel, items: Sequence[MultipleChoiceItem],
+                             max_seq_len: int) -> float:
     correct = 0
     for item in items:
         scores = choice_log_likelihoods(model, item, max_seq_len)
@@ -116,28 +110,31 @@ def multiple_choice_accuracy(model: nn.Module, items: Sequence[MultipleChoiceIte
     return correct / len(items)
 
 
-def evaluate(model: nn.Module, batches: Sequence[Batch], items: Sequence[MultipleChoiceItem] = (),
+def evaluate(model: nn.Module | DepthModel, batches: Sequence[Batch], items: Sequence[MultipleChoiceItem] = (),
              max_seq_len: int | None = None) -> EvalResult:
-    was_training = model.training
-    model.eval()
-    try:
+    model = as_depth_model(model)
+    with model.evaluating():
         loss, tokens = evaluate_loss(model, batches)
         accuracy = None
         if items:
-            accuracy = multiple_choice_accuracy(model, items, max_seq_len or model.cfg.max_seq_len)
-        return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=tokens, accuracy=accuracy)
-    finally:
-        model.train(was_training)
+            accuracy = multiple_choice_accuracy(model, items, max_seq_len or model.max_seq_len)
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=tokens, accuracy=accuracy)
 
 
-def layer_pruning(model: nn.Module, batches: Sequence[Batch], items: Sequence[MultipleChoiceItem] = (),
-                  max_seq_len: int | None = None) -> tuple[EvalResult, list[LayerPruning]]:
-    """(full model's result, one LayerPruning per layer 1..L)."""
+def layer_pruning(model: nn.Module | DepthModel, batches: Sequence[Batch], items: Sequence[MultipleChoiceItem] = (),
+                  max_seq_len: int | None = None,
+                  progress: Progress | None = None) -> tuple[EvalResult, list[LayerPruning]]:
+    """(full model's result, one LayerPruning per layer 1..L): L + 1 evaluations, each reported to `progress`."""
+    model = as_depth_model(model)
     baseline = evaluate(model, batches, items, max_seq_len)
+    if progress is not None:
+        progress.done(f"full model: loss {baseline.loss:.4f}")
     pruned = []
-    for number in range(1, len(transformer_blocks(model)) + 1):
-        with layer_skipped(model, number):
+    for number in range(1, model.num_layers + 1):
+        with model.layer_skipped(number):
             result = evaluate(model, batches, items, max_seq_len)
+        if progress is not None:
+            progress.done(f"layer {number} skipped: loss {result.loss:.4f}")
         delta_accuracy = None if result.accuracy is None else result.accuracy - baseline.accuracy
         pruned.append(LayerPruning(layer=number, result=result, delta_loss=result.loss - baseline.loss,
                                    delta_perplexity=result.perplexity - baseline.perplexity,
@@ -162,10 +159,12 @@ def _answer_index(record: dict, where: str) -> int:
     return index
 
 
-def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int] = ()) -> list[MultipleChoiceItem]:
+def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int] = (),
+                         encode_choice=None) -> list[MultipleChoiceItem]:
     """Read a JSONL task: one {"question": str, "choices": [str, ...], "answer": index | text | letter}
     per line. `encode(text) -> list[int]` tokenizes; `context_prefix` (e.g. the document separator)
-    goes before each question. Each choice is tokenized on its own, as a continuation."""
+    goes before each question. Each choice is tokenized on its own, as a continuation:
+    `encode_choice(question, choice) -> list[int]` when given, else `encode(choice)`."""
     items = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):
@@ -181,7 +180,8 @@ def load_multiple_choice(path: str | Path, encode, context_prefix: Sequence[int]
                 raise ValueError(f"{where}: need 'question', 'choices' (a list of at least 2) and 'answer'; "
                                  f"missing {missing}" if missing else f"{where}: 'choices' must list at least 2")
             items.append(MultipleChoiceItem(context=list(context_prefix) + list(encode(record["question"])),
-                                            choices=[list(encode(c)) for c in record["choices"]],
+                                            choices=[list(encode_choice(record["question"], c) if encode_choice
+                                                          else encode(c)) for c in record["choices"]],
                                             answer=_answer_index(record, where)))
     if not items:
         raise ValueError(f"{path}: no questions")

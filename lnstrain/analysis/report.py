@@ -75,6 +75,8 @@ def _summary_table(runs: Sequence[DepthAnalysis]) -> list[str]:
         ("output variance, last / first layer",
          [_fmt(r.output_variance[-1] / max(r.output_variance[1], 1e-30), 3) for r in runs]),
     ]
+    if any(r.source for r in runs):
+        rows.insert(0, ("model", [r.source or "–" for r in runs]))
     if any(r.baseline.accuracy is not None for r in runs):
         rows.append(("multiple-choice accuracy", [_fmt(r.baseline.accuracy, 3) for r in runs]))
     lines = ["| | " + " | ".join(r.name for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]

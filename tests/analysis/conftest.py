@@ -8,6 +8,7 @@ import torch
 from lnstrain.analysis.eval_data import windows_to_batches
 from lnstrain.model import Transformer, model_preset
 from lnstrain.parallel.groups import ParallelGroups
+from tests.training.conftest import tiny_corpus  # noqa: F401  (a fixture, used by name)
 
 VOCAB = 100
 

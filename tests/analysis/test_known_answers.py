@@ -26,6 +26,14 @@ def test_identical_orthogonal_and_opposite_vectors():
     torch.testing.assert_close(sums, torch.tensor([[0.0, 0, 15], [0, 0, 15], [15, 15, 0]], dtype=torch.float64))
 
 
+def test_angular_distances_taken_in_token_chunks_add_up_to_the_whole():
+    states = [torch.randn(3, 50, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    whole = pairwise_angular_distance(states)
+    chunked = pairwise_angular_distance(states, chunk_elements=5 * 16 * 7)  # 7 tokens a chunk, the last one short
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    assert float(whole[0, 1]) > 10  # 150 tokens of random directions: about 0.5 each
+
+
 def test_distance_by_offset_layout():
     matrix = torch.arange(16, dtype=torch.float64).view(4, 4)  # 3 layers, 4 states
     grid = distance_by_offset(matrix)
@@ -69,7 +77,7 @@ def test_layer_skipped_is_the_identity_and_restores_the_model():
     states = residual_stream(model, tokens)
     with layer_skipped(model, 2):
         skipped = model(tokens)
-        assert isinstance(model.layers[1], torch.nn.Identity)
+        torch.testing.assert_close(model.layers[1](states[1]), states[1], rtol=0, atol=0)
     layer3_without_2 = model.layers[2](states[1])
     torch.testing.assert_close(skipped, model.output(layer3_without_2, model.embedding.word_embeddings.weight))
     torch.testing.assert_close(model(tokens), before)
