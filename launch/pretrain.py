@@ -31,6 +31,7 @@ from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 EXIT_BAD_CONFIG = 2
+EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
 
 
@@ -181,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
     configure_threads(int(local_ranks))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
+    from lnstrain.checkpoint.write_errors import CheckpointWriteError
     from lnstrain.training.trainer import pretrain
 
-    result = pretrain(config, world_size)
+    try:
+        result = pretrain(config, world_size)
+    except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
+        logger.debug("the failed save", exc_info=True)
+        print(f"lnstrain: {error}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
