@@ -188,3 +188,17 @@ def test_init_from_a_truncated_safetensors_file_or_other_shapes_is_a_problem(tmp
     pickle.write_bytes(b"\x80\x04K\x01.")  # a bare pickle: not what torch.save writes
     assert "is not a torch.save file" in init_from_problems(str(pickle), model, None)[0]
     shutil.rmtree(tmp_path)
+
+
+def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_a_problem(monkeypatch, tmp_path):
+    from lnstrain.checkpoint import write_errors
+
+    config = config_from_dict({**TINY, "run": {"output_dir": str(tmp_path)}})
+    needed = preflight.checkpoint_bytes(config)
+    assert needed == 14 * config.model.num_parameters(tensor_parallel=1)  # bf16: weights, master weights, moments
+    monkeypatch.setattr(write_errors, "free_space", lambda path: (needed - 1, 100 * needed))
+    [problem] = preflight.checkpoint_space_problems(config)
+    assert problem.startswith(f"run.output_dir: one checkpoint of this model needs at least "
+                              f"{write_errors.human_bytes(needed)}") and str(config.checkpoint_dir) in problem
+    monkeypatch.setattr(write_errors, "free_space", lambda path: (needed, 100 * needed))
+    assert preflight.checkpoint_space_problems(config) == []
