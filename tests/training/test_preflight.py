@@ -202,3 +202,15 @@ def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_a_problem(mon
                               f"{write_errors.human_bytes(needed)}") and str(config.checkpoint_dir) in problem
     monkeypatch.setattr(write_errors, "free_space", lambda path: (needed, 100 * needed))
     assert preflight.checkpoint_space_problems(config) == []
+
+
+def test_directories_placed_by_an_unreadable_key_are_not_created(tiny_corpus, tmp_path, monkeypatch):
+    """run.output_dir: [1] would fall back to the default 'runs' in the working directory: nothing is made there."""
+    from lnstrain.config.run_config import read_config
+
+    monkeypatch.chdir(tmp_path)
+    data = {**TINY, "data": {"seq_len": 16, "sources": [{"prefix": str(tiny_corpus.prefix)}],
+                             "tokenizer": str(tiny_corpus.tokenizer)},
+            "model": {"preset": "tiny", "vocab_size": 256}, "precision": {"dtype": "fp32"}, "run": {"output_dir": [1]}}
+    assert preflight.run_problems(read_config(data), world_size=1) == ["run.output_dir: expected a string, got [1]"]
+    assert list(tmp_path.iterdir()) == []
