@@ -22,7 +22,9 @@ import argparse
 import datetime
 import logging
 import os
+import socket
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
 
+EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
 
 
@@ -55,12 +58,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fail(problems: list[str], source: str) -> None:
-    """Print the problems once per node (the first local rank: files may differ between nodes) and exit 2
-    on every rank, before any process group exists."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        lines = "\n".join(f"  - {problem}" for problem in problems)
-        print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
     sys.exit(EXIT_BAD_CONFIG)
+
+
+PEER_REPORT_WAIT_S = 60.0
+"""How long a rank other than 0 that found problems waits to be stopped by its launcher before listing them too."""
+
+
+def fail_on_every_rank(problems: list[str], source: str, rank: int, world_size: int) -> None:
+    """Exit 2 on this rank; the list is printed once, by rank 0. Every rank runs the same checks on the
+    same files, so the others found the same problems: each waits for the launcher to stop it after rank
+    0's exit (DeepSpeed's and torchrun's do within seconds) and lists its own problems only if it is
+    still running after ``PEER_REPORT_WAIT_S`` (no such launcher, or a problem only its machine has)."""
+    if rank != 0:
+        time.sleep(PEER_REPORT_WAIT_S)
+        source = f"{source} (rank {rank} of {world_size} on {socket.gethostname()})"
+    fail(problems, source)
 
 
 def dry_run(args: argparse.Namespace, overrides: list[str], world_size: int) -> None:
@@ -156,38 +171,46 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-    if not args.dry_run:
-        configure_logging(rank, args.verbose)
-        logger.info("checking %s: config, data, tokenizer, output directories", args.config)
-    try:
-        if args.dry_run:
+    if args.dry_run:
+        try:
             dry_run(args, overrides, world_size)
-            return 0
-        from lnstrain.config.run_config import load_config_with_problems  # imports torch: seconds when cold
+        except ConfigError as error:
+            fail(error.problems, args.config)
+        return 0
+    configure_logging(rank, args.verbose)
+    logger.info("checking %s: config, data, tokenizer, output directories", args.config)
+    try:
+        from lnstrain.config.run_config import read_config_file  # imports torch: seconds on a cold file system
 
-        config, typing_problems = load_config_with_problems(args.config, overrides)
-        if config is None:
-            fail(typing_problems, args.config)
-        finished_at = None if typing_problems else already_finished(config)
+        typed = read_config_file(args.config, overrides)
+        finished_at = None if typed.problems else already_finished(typed.value)
         if finished_at is not None:
-            logger.info("run '%s' already finished at step %d (%s); nothing to do", config.run.name, finished_at,
-                        config.run.dir)
+            logger.info("run '%s' already finished at step %d (%s); nothing to do", typed.value.run.name,
+                        finished_at, typed.value.run.dir)
             return EXIT_FINISHED
-        from lnstrain.training.preflight import preflight_problems
+        from lnstrain.training.preflight import run_problems
 
-        problems = preflight_problems(config, world_size, typing_problems)
+        local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+        problems = run_problems(typed, world_size, local_rank)
     except ConfigError as error:
-        fail(error.problems, args.config)
+        fail_on_every_rank(error.problems, args.config, rank, world_size)
     if problems:
-        fail(problems, args.config)
+        fail_on_every_rank(problems, args.config, rank, world_size)
+    config = typed.value
 
     logger.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
     configure_threads(int(local_ranks))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
+    from lnstrain.checkpoint.write_errors import CheckpointWriteError
     from lnstrain.training.trainer import pretrain
 
-    result = pretrain(config, world_size)
+    try:
+        result = pretrain(config, world_size)
+    except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
+        logger.debug("the failed save", exc_info=True)
+        print(f"lnstrain: {error}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:

@@ -126,3 +126,31 @@ def unfold(folded: torch.Tensor, factor: float, as_trained: torch.Tensor | None 
             (as_trained.float() * factor).to(folded.dtype), folded):
         return as_trained.float()
     return folded.float() / factor
+
+
+def record_problems(record: object, cfg: ModelConfig, unfold: bool | None, source: str) -> list[str]:
+    """What makes config.json's record (``fold_record``'s shape) unusable for ``unfold_factors``; [] when
+    there is no record or it is sound. ``unfold`` as for ``unfold_factors``."""
+    if record is None:
+        return []
+    where = f"{source}: config.json's {RECORD_KEY}"
+    if not isinstance(record, dict):
+        return [f"{where} is {type(record).__name__}, not a mapping as lnstrain's exports write it"]
+    problems = []
+    schemes = [s.value for s in NormScheme]
+    folded_into = record.get("lns_folded_into")
+    if folded_into is not None and not (isinstance(folded_into, list) and all(isinstance(n, str) for n in folded_into)):
+        problems.append(f"{where}.lns_folded_into must be a list of weight names (got {folded_into!r})")
+    if folded_into and record.get("norm_scheme") not in schemes:
+        problems.append(f"{where}.norm_scheme is {record.get('norm_scheme')!r}, not one of {schemes}")
+    elif folded_into and unfold is not False:
+        factors = record.get("layer_factors")
+        numbers = isinstance(factors, list) and all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)
+        as_they_are = "; or load the weights as they are: checkpoint.init_from_unfold_lns: false"
+        if not numbers:
+            problems.append(f"{where}.layer_factors must be a list of positive numbers, one per layer{as_they_are}")
+        elif len(factors) != cfg.num_layers:
+            problems.append(f"{where}.layer_factors has {len(factors)} entries for {cfg.num_layers} layers "
+                            f"(model.num_layers){as_they_are}")
+    return problems

@@ -23,6 +23,7 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_F
                                           CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
                                           read_metadata, restore_rng_state, save_rng_state, step_dir_name,
                                           step_of, write_atomically)
+from lnstrain.checkpoint.write_errors import explains_write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class CheckpointManager:
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
             skipped_batches=position.skipped_batches)
 
+    @explains_write_failures  # no space, no permission: CheckpointWriteError names the path and the free space
     def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``."""
         started = time.monotonic()

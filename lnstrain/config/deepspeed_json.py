@@ -106,3 +106,49 @@ def fp16_loss_scaling_problem(config: Config) -> str:
     return ("precision.dtype fp16 with parallel.zero_stage 0: DeepSpeed 0.19 does not scale the fp16 loss "
             "without ZeRO but still unscales the gradients, which would shrink every update by the loss "
             "scale. Set parallel.zero_stage: 1 (or higher), or precision.dtype: bf16.")
+
+
+def deepspeed_config_problems(config: Config, world_size: int) -> list[str]:
+    """What DeepSpeed's own config parser refuses in the JSON for ``config`` (the ``deepspeed:``
+    section merged in): a misspelt or mistyped ZeRO option, fp16 and bf16 both enabled, batch keys that
+    disagree. Needs a config whose layout is valid. Imports DeepSpeed (about a second), no process group."""
+    from lnstrain.parallel.deepspeed_comm import name_cpu_accelerator_if_no_cuda
+
+    name_cpu_accelerator_if_no_cuda()  # before DeepSpeed's first import, which would warn otherwise
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger as deepspeed_logger
+
+    derived = deepspeed_config(config, world_size)
+    batch = [derived.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                          "gradient_accumulation_steps")]
+    dp = config.data_parallel_size(world_size)
+    if not all(isinstance(n, int) for n in batch) or batch[0] != batch[1] * batch[2] * dp:
+        return [f"deepspeed: train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+                f"({batch[0]}, {batch[1]}, {batch[2]}) do not match {dp} data-parallel rank(s); lnstrain derives "
+                "them from train.global_batch_size and train.micro_batch_size: remove them from the deepspeed: "
+                "section"]
+    # without process groups DeepSpeed counts one data-parallel rank; the batch was checked above
+    checked = {**derived, "train_batch_size": batch[1] * batch[2]}
+    level = deepspeed_logger.level
+    deepspeed_logger.setLevel("WARNING")  # it logs its world size at INFO
+    try:
+        DeepSpeedConfig(checked)
+    except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises, it refuses this config
+        return [f"deepspeed: DeepSpeed refuses the DeepSpeed JSON lnstrain derives from this config "
+                f"(with the deepspeed: section merged in): {_one_line(error)}"]
+    finally:
+        deepspeed_logger.setLevel(level)
+    return []
+
+
+# DeepSpeed's pydantic models -> the JSON section each reads
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16"}
+
+
+def _one_line(error: Exception) -> str:
+    """A pydantic ValidationError as ``deepspeed.section.key: message; ...``; anything else as its first line."""
+    if hasattr(error, "errors") and hasattr(error, "title"):
+        section = _SECTIONS.get(error.title, error.title)
+        return "; ".join(f"deepspeed.{section}.{'.'.join(map(str, entry['loc']))}: {entry['msg']}"
+                         for entry in error.errors())
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -15,10 +15,12 @@ import dataclasses
 import difflib
 import enum
 import os
+import re
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Generic, Literal, TypeVar, Union
 
 import yaml
 
@@ -45,8 +47,46 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
-    """Convert a YAML value to ``tp``; append a problem and return the value unchanged on failure."""
+_UNREADABLE = object()
+"""What a conversion returns for a value it could not read (the field then keeps its default)."""
+
+
+@dataclass
+class Typed(Generic[T]):
+    """A dataclass read from YAML data, with everything that was wrong in it.
+
+    Attributes:
+        value: the object, each unreadable value replaced by its field's default; None when a
+            required key is missing or unreadable (nothing can be built).
+        problems: every problem, one line each (unknown keys with a suggestion, wrong types, ...).
+        unreadable_keys: dotted keys (``train.micro_batch_size``, ``data.sources[0].weight``, and
+            the lists, mappings and sections holding them) whose value was replaced by a default;
+            checks of ``value`` that mention them would judge the default, not what was written.
+    """
+
+    value: T | None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    unreadable_keys: list[str] = dataclasses.field(default_factory=list)
+
+    def unreadable(self, key: str, problem: str | None = None) -> Any:
+        if problem is not None:
+            self.problems.append(problem)
+        self.unreadable_keys.append(key)
+        return _UNREADABLE
+
+    def about_unreadable_keys(self, problem: str) -> bool:
+        """Whether ``problem`` (found by a check of ``value``) names one of the unreadable keys."""
+        return any(_names_key(problem, key) for key in self.unreadable_keys)
+
+
+def _names_key(text: str, key: str) -> bool:
+    """``key`` appears in ``text`` as a key: ``train`` matches ``train.steps`` but not ``to train on``."""
+    ending = r"(?![\w])" if "." in key or "[" in key else r"\."
+    return re.search(r"(?<![\w.])" + re.escape(key) + ending, text) is not None
+
+
+def _convert(value: Any, tp: Any, path: str, out: Typed) -> Any:
+    """Convert a YAML value to ``tp``, or record the problem and return ``_UNREADABLE``."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
 
@@ -56,52 +96,50 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         if value is None and type(None) in args:
             return None
         options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # ``X | None``: X's own, more precise, problems
+            return _convert(value, options[0], path, out)
         for option in options:
-            trial: list[str] = []
+            trial = Typed(None)
             converted = _convert(value, option, path, trial)
-            if not trial:
+            if not trial.problems:
                 return converted
-        problems.append(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
-        return value
+        return out.unreadable(path, f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value in args:
             return value
-        problems.append(f"{path}: must be one of {', '.join(map(repr, args))} (got {value!r})"
-                        f"{suggest(str(value), map(str, args))}")
-        return value
+        return out.unreadable(path, f"{path}: must be one of {', '.join(map(repr, args))} (got {value!r})"
+                                    f"{suggest(str(value), map(str, args))}")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
             names = [m.value for m in tp]
-            problems.append(f"{path}: must be one of {', '.join(map(repr, names))} (got {value!r})"
-                            f"{suggest(str(value), map(str, names))}")
-            return value
+            return out.unreadable(path, f"{path}: must be one of {', '.join(map(repr, names))} (got {value!r})"
+                                        f"{suggest(str(value), map(str, names))}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            problems.append(f"{path}: expected a mapping of {tp.__name__} keys, got {value!r}")
-            return value
-        return _build(tp, value, path, problems)
+            return out.unreadable(path, f"{path}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return _build(tp, value, path, out)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            problems.append(f"{path}: expected a list, got {value!r}")
-            return value
+            return out.unreadable(path, f"{path}: expected a list, got {value!r}")
         item_type = args[0] if args else Any
-        items = [_convert(v, item_type, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        items = [_convert(v, item_type, f"{path}[{i}]", out) for i, v in enumerate(value)]
+        if any(item is _UNREADABLE for item in items):
+            return out.unreadable(path)
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            problems.append(f"{path}: expected a mapping, got {value!r}")
-            return value
+            return out.unreadable(path, f"{path}: expected a mapping, got {value!r}")
         value_type = args[1] if len(args) == 2 else Any
-        return {k: _convert(v, value_type, f"{path}.{k}", problems) for k, v in value.items()}
+        converted = {k: _convert(v, value_type, f"{path}.{k}", out) for k, v in value.items()}
+        return out.unreadable(path) if _UNREADABLE in converted.values() else converted
     if tp is bool:
         if isinstance(value, bool):
             return value
-        problems.append(f"{path}: expected true or false, got {value!r}")
-        return value
+        return out.unreadable(path, f"{path}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -114,8 +152,7 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
                     return int(number)
             except ValueError:
                 pass
-        problems.append(f"{path}: expected an integer, got {value!r}")
-        return value
+        return out.unreadable(path, f"{path}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -124,47 +161,56 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        problems.append(f"{path}: expected a number, got {value!r}")
-        return value
+        return out.unreadable(path, f"{path}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        problems.append(f"{path}: expected a string, got {value!r}")
-        return value
+        return out.unreadable(path, f"{path}: expected a string, got {value!r}")
     return value
 
 
-def _build(cls: type[T], data: dict, path: str, problems: list[str]) -> T:
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not MISSING or f.default_factory is not MISSING
+
+
+def _build(cls: type[T], data: dict, path: str, out: Typed) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            problems.append(f"unknown key '{where}'{suggest(str(key), fields)}")
+            out.problems.append(f"unknown key '{where}'{suggest(str(key), fields)}")
             continue
-        before = len(problems)
-        converted = _convert(value, hints[key], where, problems)
-        if len(problems) == before or (dataclasses.is_dataclass(converted) and not isinstance(converted, type)):
-            kwargs[key] = converted  # a value that does not convert is left at its default, so that the
-            # rest of the config can still be built and checked (every problem reported at once)
-    for name, f in fields.items():
-        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
-            problems.append(f"missing required key '{path + '.' if path else ''}{name}'")
+        converted = _convert(value, hints[key], where, out)
+        if converted is not _UNREADABLE:
+            kwargs[key] = converted
+    missing = [name for name, f in fields.items() if name not in kwargs and not _has_default(f)]
+    for name in missing:
+        if name not in data:
+            out.problems.append(f"missing required key '{path + '.' if path else ''}{name}'")
+    if missing:
+        return out.unreadable(path)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as error:
-        problems.append(f"{path or cls.__name__}: {error}")
-        return None  # type: ignore[return-value]
+        return out.unreadable(path, f"{path or cls.__name__}: {error}")
+
+
+def read_dataclass(cls: type[T], data: dict, path: str = "") -> Typed[T]:
+    """Build ``cls`` from a nested dict, collecting every problem instead of stopping at the first."""
+    out: Typed[T] = Typed(None)
+    value = _build(cls, data or {}, path, out)
+    out.value = None if value is _UNREADABLE else value
+    return out
 
 
 def from_dict(cls: type[T], data: dict, path: str = "") -> tuple[T, list[str]]:
-    """Build ``cls`` from a nested dict; returns the object and the list of problems found."""
-    problems: list[str] = []
-    obj = _build(cls, data or {}, path, problems)
-    return obj, problems
+    """Build ``cls`` from a nested dict; returns the object (None if it cannot be built) and the problems."""
+    typed = read_dataclass(cls, data, path)
+    return typed.value, typed.problems  # type: ignore[return-value]
 
 
 def to_dict(obj: Any) -> Any:
@@ -219,8 +265,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError([f"override '{text}' must look like section.key=value"], "--set")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    return [part for part in key.strip().split(".") if part], value
+    keys = [part for part in key.strip().split(".") if part]
+    if not keys:
+        raise ConfigError([f"override '{text}' names no key"], "--set")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        reason = str(error).splitlines()[0]
+        raise ConfigError([f"override '{text}': the value is not valid YAML ({reason}); quote it, "
+                           "e.g. --set \"data.sources=[{prefix: path/to/tokens}]\""], "--set") from None
+    return keys, value
 
 
 def add_override_argument(parser: typing.Any, example: str = "optim.lr=3e-4") -> None:
@@ -231,12 +285,16 @@ def add_override_argument(parser: typing.Any, example: str = "optim.lr=3e-4") ->
 
 
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
-    """Apply ``--set`` overrides to raw config data (before typing, so all checks still run)."""
+    """Apply ``--set`` overrides to raw config data (before typing, so all checks still run); a
+    ``ConfigError`` lists every malformed override."""
     data = dict(data)
+    problems = []
     for text in overrides:
-        keys, value = parse_override(text)
-        if not keys:
-            raise ConfigError([f"override '{text}' names no key"], "--set")
+        try:
+            keys, value = parse_override(text)
+        except ConfigError as error:
+            problems += error.problems
+            continue
         node = data
         for key in keys[:-1]:
             child = node.get(key)
@@ -244,4 +302,6 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
             node[key] = child
             node = child
         node[keys[-1]] = value
+    if problems:
+        raise ConfigError(problems, "--set")
     return data

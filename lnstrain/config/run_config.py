@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import yaml
 
 from lnstrain.checkpoint.config import CheckpointConfig
-from lnstrain.config.loader import ConfigError, apply_overrides, from_dict, load_yaml_with_bases, to_dict
+from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, load_yaml_with_bases, read_dataclass,
+                                   to_dict)
 from lnstrain.data.config import DataConfig
 from lnstrain.model.config import ModelConfig
 from lnstrain.parallel.config import ParallelConfig
@@ -206,36 +207,34 @@ def _expand_model_preset(data: dict, problems: list[str]) -> dict:
     return {**data, "model": {**to_dict(MODEL_PRESETS[name]), **model}}
 
 
-def typed_config(data: dict) -> tuple[Config | None, list[str]]:
-    """Type a raw config mapping: the config and every typing problem (unknown keys, wrong types).
-
-    Values that do not convert are left at their defaults, so the config is still built (None only
-    when a required key is missing) and its other problems can be checked beside these."""
+def read_config(data: dict) -> Typed[Config]:
+    """Type a raw config mapping, collecting every typing problem (``Typed``: unreadable values keep
+    their defaults, so the config's own checks can still run and report everything else)."""
     problems: list[str] = []
     data = _expand_model_preset(data, problems)
-    config, typing_problems = from_dict(Config, data)
-    return config, problems + typing_problems
+    typed = read_dataclass(Config, data)
+    typed.problems[:0] = problems
+    return typed
 
 
 def config_from_dict(data: dict, source: str = "config") -> Config:
     """Type a raw config mapping; raises ``ConfigError`` listing every typing problem."""
-    config, problems = typed_config(data)
-    if problems:
-        raise ConfigError(problems, source)
-    return config
+    typed = read_config(data)
+    if typed.problems:
+        raise ConfigError(typed.problems, source)
+    return typed.value
 
 
-def load_config_with_problems(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[Config | None, list[str]]:
-    """Load a YAML run description with overrides: the config and its typing problems, without raising
-    for them (an unreadable file still raises ``ConfigError``). See ``typed_config``."""
-    return typed_config(apply_overrides(load_yaml_with_bases(path), overrides))
+def read_config_file(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Typed[Config]:
+    """``read_config`` of a YAML run description with ``--set``-style overrides. Raises ``ConfigError``
+    only when the file or an override cannot be read as YAML at all."""
+    return read_config(apply_overrides(load_yaml_with_bases(path), overrides))
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_size: int | None = None,
                 validate: bool = True) -> Config:
     """Load a YAML run description with ``--set``-style overrides, and check it completely."""
-    data = apply_overrides(load_yaml_with_bases(path), overrides)
-    config = config_from_dict(data, source=str(path))
+    config = config_from_dict(apply_overrides(load_yaml_with_bases(path), overrides), source=str(path))
     if validate:
         problems = config.validate(world_size)
         if problems:

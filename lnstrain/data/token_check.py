@@ -53,12 +53,19 @@ def _prefixes(items) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def out_of_range_id(prefix: str, vocab_size: int) -> int | None:
+    """A token id of ``<prefix>.bin`` outside ``[0, vocab_size)`` (the smallest or the largest), or None."""
+    lo, hi = token_id_range(prefix)
+    if lo < 0:
+        return lo
+    return hi if hi >= vocab_size else None
+
+
 def check_token_ids(datasets_or_prefixes, vocab_size: int) -> None:
     """Raise ValueError naming the file and the offending id if any token is outside ``[0, vocab_size)``."""
     for prefix in _prefixes(datasets_or_prefixes):
-        lo, hi = token_id_range(prefix)
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
+        bad = out_of_range_id(prefix, vocab_size)
+        if bad is not None:
             raise ValueError(f"{prefix}.bin holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
                              "the data was tokenized with a different tokenizer than the model's vocab_size "
                              "(re-run tools/preprocess_data.py or fix model.vocab_size)")

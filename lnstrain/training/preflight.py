@@ -1,7 +1,9 @@
 """Everything that can be checked before any process group exists, reported together.
 
 A problem found after ``init_distributed`` costs a queue wait and can leave ranks hanging in a
-collective; so the launcher runs ``preflight_problems`` first and refuses to start on any.
+collective; so the launcher runs ``run_problems`` first, on every rank, and refuses to start on any.
+Every check here is local (files, this machine's devices): no rank waits for another, and ranks that
+read the same files reach the same verdict. docs/training.md lists what is checked.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import yaml
 
 from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
 from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata
+from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
 
 logger = logging.getLogger(__name__)
@@ -92,69 +95,112 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     return problems + data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
 
 
-def data_file_problems(config: Config) -> list[str]:
-    """Every token file that exists must be a whole, consistent ``.idx``/``.bin`` pair whose token ids fit
-    the model's vocabulary (missing files are reported by ``data.validate``). Reading a large ``.bin``
-    for its id range takes a while once; the range is cached beside the ``.idx``."""
-    from lnstrain.data.indexed_dataset import IndexedDataset
-    from lnstrain.data.token_check import token_id_range
+def device_problems(config: Config, local_rank: int) -> list[str]:
+    """This machine can run the precision, and has a GPU for this rank (lnstrain uses GPU ``LOCAL_RANK``)."""
+    import torch
 
+    dtype = config.precision.dtype
+    if not torch.cuda.is_available():
+        if dtype == "fp16":  # DeepSpeed's CPU accelerator takes it only on CPUs with fp16 instructions
+            return ["precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
+                    "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32"]
+        return []
     problems = []
-    vocab = config.model.vocab_size
-    for key, sources in (("data.sources", config.data.sources), ("data.valid_sources", config.data.valid_sources)):
-        for index, source in enumerate(sources):
-            prefix = source.prefix
-            if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
-                continue
-            where = f"{key}[{index}].prefix"
-            try:
-                IndexedDataset(prefix)
-                low, high = token_id_range(prefix)
-            except (OSError, ValueError) as error:  # CorruptDatasetError is a ValueError naming the file
-                problems.append(f"{where}: {error}; recreate it with tools/preprocess_data.py")
-                continue
-            if low < 0 or high >= vocab:
-                bad = low if low < 0 else high
-                problems.append(f"{where}: {prefix}.bin holds token id {bad}, outside the model's vocabulary "
-                                f"[0, {vocab}): it was tokenized with another tokenizer (re-run "
-                                "tools/preprocess_data.py with data.tokenizer, or fix model.vocab_size)")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        problems.append(f"this is local rank {local_rank} but the machine shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); each rank uses GPU LOCAL_RANK: start at "
+                        f"most {count} rank(s) per machine")
+    elif dtype == "fp16":
+        major, minor = torch.cuda.get_device_capability(local_rank)
+        deprecated_ok = major == 6 and os.environ.get("DS_ALLOW_DEPRECATED_FP16") == "1"
+        if major < 7 and not deprecated_ok:  # DeepSpeed's CUDA accelerator refuses it the same way
+            problems.append(f"precision.dtype is fp16, which DeepSpeed supports from compute capability 7.0, and "
+                            f"{torch.cuda.get_device_name(local_rank)} is {major}.{minor}; use precision.dtype: fp32"
+                            + (" (or DS_ALLOW_DEPRECATED_FP16=1)" if major == 6 else ""))
     return problems
 
 
-def device_problems(config: Config) -> list[str]:
-    """What this machine cannot run: fp16 needs a GPU (DeepSpeed's CPU accelerator refuses it)."""
-    import torch
-
-    if config.precision.dtype == "fp16" and not torch.cuda.is_available():
-        return ["precision.dtype: fp16 needs a GPU and this machine has none (DeepSpeed's CPU accelerator "
-                "has no fp16); use bf16 or fp32 here (--set precision.dtype=bf16)"]
-    return []
+def checkpoint_bytes(config: Config) -> int:
+    """A lower bound of one checkpoint's size: the weights in the training dtype, fp32 master weights
+    (bf16/fp16) and Adam's two fp32 moments per parameter (the tiny test model: 518 kB estimated, 531 kB
+    written)."""
+    per_parameter = 4 + 8 if config.precision.dtype == "fp32" else 2 + 4 + 8
+    return per_parameter * config.model.num_parameters(tensor_parallel=config.parallel.tensor)
 
 
-def preflight_problems(config: Config, world_size: int, typing_problems: list[str] | None = None) -> list[str]:
-    """Every problem with the config, its files, this machine, the output directories and the resume
-    checkpoint, beside the config's ``typing_problems`` (unknown keys, wrong types: the config was
-    built with defaults in their place).
+def checkpoint_space_problems(config: Config) -> list[str]:
+    """The checkpoint directory's file system has room for one checkpoint (a full one fails at the first
+    save, after hours of training; retention deletes old checkpoints only after a new one is complete)."""
+    from lnstrain.checkpoint.write_errors import free_space, human_bytes
 
-    Creates the run and checkpoint directories (proving they are writable), unless the config has
-    typing problems (its paths may not be the ones meant).
+    ckpt = config.checkpoint
+    if not (ckpt.interval_steps or ckpt.interval_minutes or ckpt.save_at_end):
+        return []
+    space, needed = free_space(config.checkpoint_dir), checkpoint_bytes(config)
+    if space is None or space[0] >= needed:
+        return []
+    key = "checkpoint.dir" if ckpt.dir else "run.output_dir"
+    return [f"{key}: one checkpoint of this model needs at least {human_bytes(needed)} (weights and Adam state) but "
+            f"the file system holding {config.checkpoint_dir} has {human_bytes(space[0])} free; free space there or "
+            f"set {key} to a larger file system"]
+
+
+def file_problems(config: Config) -> list[str]:
+    """The token files open and fit the vocabularies; ``checkpoint.init_from`` names loadable weights."""
+    from lnstrain.checkpoint.init_from_checks import init_from_problems
+    from lnstrain.data.file_checks import token_file_problems
+
+    tokenizer_vocab = None
+    if config.data.tokenizer and os.path.isfile(config.data.tokenizer):
+        from lnstrain.data.tokenizer import Tokenizer
+
+        try:
+            tokenizer_vocab = Tokenizer(config.data.tokenizer).vocab_size
+        except ValueError:
+            pass  # reported by tokenizer_problems
+    problems = token_file_problems(config.data, config.model.vocab_size, tokenizer_vocab)
+    step_dir, _ = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
+    if config.checkpoint.init_from and step_dir is None:  # a resumed run ignores init_from
+        problems += init_from_problems(config.checkpoint.init_from, config.model, config.checkpoint.init_from_unfold_lns)
+    return problems
+
+
+def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
+                       unreadable_keys: tuple[str, ...] = ()) -> list[str]:
+    """Every problem with the config, this machine, the files, the output directories and the resume checkpoint.
+
+    Creates the run and checkpoint directories (proving they are writable), unless a key that
+    places them is in ``unreadable_keys`` (keys whose written value could not be read, which hold
+    their defaults; problems that name them are left out).
     """
+    from lnstrain.config.deepspeed_json import deepspeed_config_problems
     from lnstrain.training.engine import layout_problems
 
-    typing_problems = list(typing_problems or [])
-    problems = list(dict.fromkeys(typing_problems + config.validate(world_size) + layout_problems(config, world_size)))
-    problems += device_problems(config)
+    problems = list(dict.fromkeys(config.validate(world_size) + layout_problems(config, world_size)))
+    if not problems:  # DeepSpeed's own parser needs a consistent layout (it divides by it)
+        problems += deepspeed_config_problems(config, world_size)
+    problems += device_problems(config, local_rank)
     problems += tokenizer_problems(config)
-    problems += data_file_problems(config)
-    if typing_problems:
-        return problems
-    run_dir_problems = writable_dir_problems(config.run.dir, "run.output_dir")
-    problems += run_dir_problems
-    checkpoint_key = "checkpoint.dir" if config.checkpoint.dir else "run.output_dir"
-    if config.checkpoint.dir or not run_dir_problems:
-        problems += writable_dir_problems(config.checkpoint_dir, checkpoint_key)
+    problems += file_problems(config)
+    unreadable = Typed(None, unreadable_keys=list(unreadable_keys))
+    places_output = ("run.output_dir", "run.name", "checkpoint.dir")
+    if not any(unreadable.about_unreadable_keys(key) for key in places_output):
+        run_dir_problems = writable_dir_problems(config.run.dir, "run.output_dir")
+        problems += run_dir_problems
+        checkpoint_key = "checkpoint.dir" if config.checkpoint.dir else "run.output_dir"
+        if config.checkpoint.dir or not run_dir_problems:
+            checkpoint_dir_problems = writable_dir_problems(config.checkpoint_dir, checkpoint_key)
+            problems += checkpoint_dir_problems or checkpoint_space_problems(config)
     if not problems:
         problems += resume_problems(config, compare_data=True, world_size=world_size)
     else:
         problems += resume_problems(config, compare_data=False)  # fingerprints need readable data
-    return problems
+    return [problem for problem in problems if not unreadable.about_unreadable_keys(problem)]
+
+
+def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0) -> list[str]:
+    """``read_config``'s typing problems and, when the config could be built, every preflight problem."""
+    if typed.value is None:
+        return list(typed.problems)
+    return typed.problems + preflight_problems(typed.value, world_size, local_rank, tuple(typed.unreadable_keys))

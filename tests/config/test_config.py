@@ -102,3 +102,42 @@ def test_steps_from_token_budget():
                                                  "tokens": 1000}})
     assert config.tokens_per_step == 128 and config.total_steps == 8
     assert isinstance(config, Config)
+
+
+def test_typing_problems_do_not_hide_the_checks_of_everything_else():
+    """A misspelt key and a wrong type are reported with the layout problem; the unreadable value keeps its
+    default for the checks, and a check that would judge that default is left out."""
+    from lnstrain.config.run_config import read_config
+
+    data = {**TINY, "optim": {"lrr": 1e-3}, "parallel": {"pipeline": 4},
+            "train": {"global_batch_size": 8, "micro_batch_size": "two", "steps": "ten"}}
+    typed = read_config(data)
+    assert typed.problems == ["train.micro_batch_size: expected an integer, got 'two'",
+                              "train.steps: expected an integer, got 'ten'",
+                              "unknown key 'optim.lrr' (did you mean 'lr'?)"]
+    checks = typed.value.validate(world_size=4, check_files=False)
+    assert "model.num_layers (3) is smaller than parallel.pipeline (4); every stage needs at least one layer" in checks
+    judged_defaults = [p for p in checks if typed.about_unreadable_keys(p)]
+    assert judged_defaults == ["give exactly one of train.steps and train.tokens (got steps=None, tokens=None)"]
+
+
+def test_an_unreadable_list_item_or_section_keeps_the_default_and_names_its_keys():
+    from lnstrain.config.run_config import read_config
+
+    typed = read_config({**TINY, "data": {"sources": [{"weight": 2}, {"prefix": "b", "weight": "heavy"}]},
+                         "logging": 5})
+    assert typed.problems == ["missing required key 'data.sources[0].prefix'",
+                              "data.sources[1].weight: expected a number, got 'heavy'",
+                              "logging: expected a mapping of LoggingConfig keys, got 5"]
+    assert typed.value.data.sources == [] and typed.value.logging.interval == 10
+    assert typed.about_unreadable_keys("data.sources is empty: list at least one {prefix: ...}")
+    assert typed.about_unreadable_keys("logging.interval must be >= 1")
+    assert not typed.about_unreadable_keys("data.seq_len (16) exceeds model.max_seq_len")
+    assert not typed.about_unreadable_keys("nothing to log in this message")
+
+
+def test_every_malformed_override_is_reported_without_a_traceback():
+    with pytest.raises(ConfigError) as error:
+        apply_overrides({}, ["optim.lr", "data.sources=[{prefix: a", "=3"])
+    assert len(error.value.problems) == 3
+    assert "'data.sources=[{prefix: a': the value is not valid YAML" in error.value.problems[1]

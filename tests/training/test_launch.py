@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, step_of
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 from lnstrain.training.outcome import EXIT_STOPPED
@@ -87,69 +85,3 @@ def test_dry_run_of_a_multi_gpu_config_without_a_launcher():
     bad = subprocess.run(command + ["--world-size", "6"], capture_output=True, text=True, env=launcher_env(),
                          timeout=120)
     assert bad.returncode == 2 and "world size 6 is not divisible" in bad.stderr
-
-
-def damaged_copies(corpus, directory: Path) -> dict[str, Path]:
-    """Copies of the tiny corpus's token files, each damaged one way."""
-    import shutil
-
-    copies = {}
-    for damage in ("truncated_idx", "bad_magic", "truncated_bin", "id_out_of_range"):
-        prefix = directory / damage
-        for suffix in (".idx", ".bin"):
-            shutil.copyfile(f"{corpus.prefix}{suffix}", f"{prefix}{suffix}")
-        copies[damage] = prefix
-    idx = Path(f"{copies['truncated_idx']}.idx")
-    idx.write_bytes(idx.read_bytes()[:-5])
-    magic = Path(f"{copies['bad_magic']}.idx")
-    magic.write_bytes(b"X" + magic.read_bytes()[1:])
-    truncated = Path(f"{copies['truncated_bin']}.bin")
-    truncated.write_bytes(truncated.read_bytes()[:-64])
-    out_of_range = Path(f"{copies['id_out_of_range']}.bin")
-    out_of_range.write_bytes(b"\xff\xff" + out_of_range.read_bytes()[2:])  # uint16 token 65535
-    return copies
-
-
-def test_config_and_data_problems_are_reported_together_before_any_process_group(tiny_corpus, tmp_path):
-    copies = damaged_copies(tiny_corpus, tmp_path)
-    sources = ", ".join(f"{{prefix: '{prefix}'}}" for prefix in copies.values())
-    overrides = tiny_run_overrides(tiny_corpus, tmp_path / "runs") + [
-        f"data.sources=[{sources}]", "train.stepz=5", "train.micro_batch_size=two", "parallel.tensor=3",
-        "precision.dtype=fp16"]
-    done = subprocess.run(launcher_command(overrides), capture_output=True, text=True, env=launcher_env(),
-                          timeout=300)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr + done.stdout
-    expected = [
-        "unknown key 'train.stepz' (did you mean 'steps'?)",
-        "train.micro_batch_size: expected an integer, got 'two'",
-        "must be divisible by parallel.tensor (3)",
-        "precision.dtype: fp16 needs a GPU",
-        f"data.sources[0].prefix: {copies['truncated_idx']}.idx: ",
-        f"data.sources[1].prefix: {copies['bad_magic']}.idx: bad magic",
-        f"data.sources[2].prefix: {copies['truncated_bin']}.bin",
-        f"data.sources[3].prefix: {copies['id_out_of_range']}.bin holds token id 65535, outside the model's "
-        "vocabulary",
-    ]
-    for line in expected:
-        assert line in done.stderr, (line, done.stderr)
-    assert "starting torch.distributed" not in done.stderr + done.stdout  # before any process group
-    assert not (tmp_path / "runs").exists()  # with typing problems nothing is created
-
-
-@pytest.mark.multirank
-def test_two_ranks_under_the_deepspeed_launcher_stop_together_with_one_report(tiny_corpus, tmp_path):
-    from lnstrain.testing.distributed import free_port
-
-    overrides = tiny_run_overrides(tiny_corpus, tmp_path / "runs") + ["train.stepz=5", "parallel.pipeline=3"]
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--log_level", "warning", "--num_gpus", "2",
-               "--master_port", str(free_port()), str(LAUNCHER), "--config", str(TINY_RUN_CONFIG)]
-    for override in overrides:
-        command += ["--set", override]
-    done = subprocess.run(command, capture_output=True, text=True, env=launcher_env() | {"DS_ACCELERATOR": "cpu"},
-                          cwd=REPO, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 2, output[-3000:]
-    assert "Traceback" not in output
-    assert output.count("problem(s) in") == 1, output  # the first local rank reports; both exit 2
-    assert "unknown key 'train.stepz'" in output and "world size 2 is not divisible" in output, output
