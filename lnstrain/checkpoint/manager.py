@@ -1,6 +1,7 @@
 """Saving, finding, loading and pruning checkpoints so that a kill at any moment loses nothing saved.
 
-A save is: every rank writes its DeepSpeed shards and its RNG file, hashing them as they are written;
+A save is: every rank checks that its weights and optimizer state are finite (else nothing is
+saved); every rank writes its DeepSpeed shards and its RNG file, hashing them as they are written;
 rank 0 writes the metadata; every rank fsyncs; gathering every rank's file records proves all ranks
 are done; only then rank 0 writes the completion marker (with those records) and replaces ``latest``
 atomically. Until that last rename, ``latest`` names the previous checkpoint, which is untouched, so
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import lnstrain
 from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.finite_state import nonfinite_state
 from lnstrain.checkpoint.integrity import FileRecord, Verdict, check_step_dir, file_record, marker_text, recording_deepspeed_files
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
                                           CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
@@ -220,10 +222,19 @@ class CheckpointManager:
             skipped_batches=position.skipped_batches)
 
     def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path | None:
-        """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``."""
+        """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
+
+        Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
+        """
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
+        nonfinite = nonfinite_state(deepspeed_engine)
+        if nonfinite:
+            shown = "; ".join(nonfinite[:5]) + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else "")
+            logger.error("NOT saving %s: the weights or optimizer state are not finite (%s); latest still names "
+                         "%s", step_dir, shown, read_latest(self.directory) or "no checkpoint")
+            return None
         save_points.reached("save started", step_dir)
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
