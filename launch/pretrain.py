@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", metavar="PATH",
                         help="resume from this checkpoint directory or global_step<N> directory "
                              "(same as --set checkpoint.resume=PATH)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="the checkpoint to resume from is trusted: fully unpickle its files that hold more than "
+                             "tensors and DeepSpeed's known records, which can run code stored in them (same as "
+                             "--set checkpoint.allow_pickle=true); without it such a file stops the launch")
     parser.add_argument("--verbose", action="store_true",
                         help="also show DeepSpeed's and other libraries' informational messages and lnstrain's "
                              "debug messages (default: lnstrain's progress lines and every warning)")
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    overrides += ["checkpoint.allow_pickle=true"] if args.allow_pickle else []
     if args.dry_run:
         try:
             dry_run(args, overrides, world_size)
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
     configure_threads(int(local_ranks))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
+    from lnstrain.checkpoint.errors import CheckpointError
     from lnstrain.checkpoint.write_errors import CheckpointWriteError
     from lnstrain.training.trainer import pretrain
 
@@ -211,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("the failed save", exc_info=True)
         print(f"lnstrain: {error}", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
+        print(f"lnstrain: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:

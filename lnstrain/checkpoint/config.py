@@ -44,6 +44,7 @@ class CheckpointConfig:
     init_from: str | None = None
     init_from_unfold_lns: bool | None = None
     reshard_with_fresh_optimizer: bool = False
+    allow_pickle: bool = False
 
     def validate(self) -> list[str]:
         problems = []

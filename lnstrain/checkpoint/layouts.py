@@ -36,7 +36,7 @@ import torch
 from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, is_complete, read_metadata, step_of
 from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_of, saved_pipeline_name_mapper,
                                              single_process_shapes, tensor_parallel_template)
-from lnstrain.checkpoint.safe_load import load_deepspeed_file
+from lnstrain.checkpoint.safe_load import load_deepspeed_file, zero3_fp32_weights
 from lnstrain.config.run_config import Config, load_config
 
 logger = logging.getLogger(__name__)
@@ -180,13 +180,10 @@ def _zero_partitions(step_dir: Path, layout: SavedLayout, allow_pickle: bool
     return per_rank, step
 
 
-def _zero3_weights(step_dir: Path, layout: SavedLayout) -> list[dict[str, torch.Tensor]]:
+def _zero3_weights(step_dir: Path, layout: SavedLayout, allow_pickle: bool) -> list[dict[str, torch.Tensor]]:
     if layout.tensor > 1 or layout.pipeline > 1:
         raise NotImplementedError(f"{step_dir}: ZeRO-3 checkpoints are read only at tensor and pipeline size 1")
-    # DeepSpeed's own reader; it unpickles the files fully (they are this run's own files).
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+    weights = zero3_fp32_weights(step_dir, allow_pickle)  # DeepSpeed's reader, loading safely
     return [{k.removeprefix("module."): v.float() for k, v in weights.items()}]
 
 
@@ -222,7 +219,7 @@ def read_full_state(step_dir: str | os.PathLike, config: Config | None = None, w
                        engine_counters={k: int(states.get(k) or 0) for k in ("global_steps", "global_samples",
                                                                              "skipped_steps")})
     if layout.zero_stage == 3:
-        result.weights = _join(_zero3_weights(step_dir, layout), config, layout, str(step_dir))
+        result.weights = _join(_zero3_weights(step_dir, layout, allow_pickle), config, layout, str(step_dir))
         result.weights_source = "ZeRO-3 fp32 partitions (zero_to_fp32)"
         logger.warning("%s: ZeRO-3 optimizer moments are not read (weights only)", step_dir)
         return result

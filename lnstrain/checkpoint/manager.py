@@ -1,9 +1,15 @@
 """Saving, finding, loading and pruning checkpoints so that a kill at any moment loses nothing saved.
 
-A save is: every rank writes its DeepSpeed shards and its RNG file; rank 0 writes the metadata; every
-rank fsyncs; a barrier proves all ranks are done; only then rank 0 writes the completion marker and
-replaces ``latest`` atomically. Until that last rename, ``latest`` names the previous checkpoint,
-which is untouched, so an interrupted save costs only the interrupted step's work.
+A save is: every rank checks that its weights and optimizer state are finite (else nothing is
+saved); every rank writes its DeepSpeed shards and its RNG file, hashing them as they are written;
+rank 0 writes the metadata; every rank fsyncs; gathering every rank's file records proves all ranks
+are done; only then rank 0 writes the completion marker (with those records) and replaces ``latest``
+atomically. Until that last rename, ``latest`` names the previous checkpoint, which is untouched, so
+an interrupted save costs only the interrupted step's work.
+
+A load first verifies the checkpoint's files against their records, each rank a share
+(``verified_checkpoint``), falling back to the newest older checkpoint that verifies, and then reads
+every file with ``weights_only`` (``lnstrain.checkpoint.safe_load``).
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ import torch.distributed as dist
 
 import lnstrain
 from lnstrain.checkpoint import save_points
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.finite_state import nonfinite_state
+from lnstrain.checkpoint.integrity import FileRecord, Verdict, check_step_dir, file_record, marker_text, recording_deepspeed_files
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
                                           CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
-                                          read_metadata, restore_rng_state, save_rng_state, step_dir_name,
-                                          step_of, write_atomically)
+                                          read_metadata, restore_rng_state, rng_file, save_rng_state,
+                                          step_dir_name, step_of, write_atomically)
+from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.write_errors import explains_write_failures
 
 logger = logging.getLogger(__name__)
@@ -151,8 +161,34 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (collective)."""
+    if _world_size() == 1:
+        return [value]
+    everyone: list[Any] = [None] * _world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def verify_collectively(step_dir: Path) -> Verdict:
+    """``check_step_dir`` of ``step_dir``, each rank checking a share of its files; every rank gets the
+    same merged verdict (collective)."""
+    verdict = Verdict(step_dir)
+    for share in _gather(check_step_dir(step_dir, (_global_rank(), _world_size()))):
+        verdict.merge(share)
+    return verdict
 
 
 class CheckpointManager:
@@ -187,11 +223,20 @@ class CheckpointManager:
             skipped_batches=position.skipped_batches)
 
     @explains_write_failures  # no space, no permission: CheckpointWriteError names the path and the free space
-    def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path:
-        """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``."""
+    def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path | None:
+        """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
+
+        Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
+        """
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
+        nonfinite = nonfinite_state(deepspeed_engine)
+        if nonfinite:
+            shown = "; ".join(nonfinite[:5]) + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else "")
+            logger.error("NOT saving %s: the weights or optimizer state are not finite (%s); latest still names "
+                         "%s", step_dir, shown, read_latest(self.directory) or "no checkpoint")
+            return None
         save_points.reached("save started", step_dir)
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -200,20 +245,27 @@ class CheckpointManager:
                 save_points.reached("stale step directory marked incomplete", step_dir)
                 shutil.rmtree(step_dir)
         _barrier()
-        with save_points.around_deepspeed_files(deepspeed_engine):
+        with recording_deepspeed_files(deepspeed_engine, step_dir, rank) as records, \
+                save_points.around_deepspeed_files(deepspeed_engine):
             deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
                                              client_state={"lnstrain_position": vars(position)})
         save_rng_state(step_dir, rank)
         save_points.reached("RNG state written", step_dir)
+        own_files = [rng_file(step_dir, rank)]
         if rank == 0:
             write_atomically(step_dir / METADATA_FILE, self.metadata(position).to_json())
             write_atomically(step_dir / CONFIG_FILE, self.config.to_yaml())
+            own_files += [step_dir / METADATA_FILE, step_dir / CONFIG_FILE]
+        for path in own_files:  # small: read back
+            records[path.relative_to(step_dir).as_posix()] = file_record(path, rank)
         fsync_tree(step_dir)
         save_points.reached("step directory fsynced", step_dir)
-        _barrier()  # every rank's files are written and flushed
+        every_file: dict[str, FileRecord] = {}
+        for rank_records in _gather(records):  # also proves every rank's files are written and flushed
+            every_file.update(rank_records)
         save_points.reached("every rank finished writing", step_dir)
         if rank == 0:
-            write_atomically(step_dir / COMPLETE_MARKER, f"{time.time()}\n")
+            write_atomically(step_dir / COMPLETE_MARKER, marker_text(every_file))
             write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
             for deleted in apply_retention(self.directory, self.config.checkpoint.keep_last):
                 logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
@@ -224,12 +276,46 @@ class CheckpointManager:
         logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
         return step_dir
 
+    def verified_checkpoint(self, step_dir: Path, fall_back: bool) -> tuple[Path | None, list[str]]:
+        """(the checkpoint to load, problems of those skipped): ``step_dir`` if its files verify,
+        else (``fall_back``) the newest older complete checkpoint beside it that does; None when none
+        does. Collective: every rank checks a share of the files and all agree.
+
+        Raises ``CheckpointError`` when a file's pickle names classes beyond the allow-list and the
+        checkpoint is not trusted (``checkpoint.allow_pickle``): that is never silently skipped.
+        """
+        candidates = [step_dir]
+        if fall_back:
+            candidates += [p for p in reversed(complete_step_dirs(step_dir.parent)) if step_of(p) < step_of(step_dir)]
+        skipped: list[str] = []
+        for candidate in candidates:
+            verdict = verify_collectively(candidate)
+            if verdict.unsafe and not self.config.checkpoint.allow_pickle:
+                raise CheckpointError(f"cannot resume from {candidate}: loading it could run code stored in it, "
+                                      "so nothing was loaded:\n  - " + "\n  - ".join(verdict.unsafe)
+                                      + f"\nIf you trust where this checkpoint came from, pass {OPT_IN}")
+            if verdict.unsafe:
+                logger.warning("%s: files beyond the allow-list will be fully unpickled (checkpoint.allow_pickle):"
+                               "\n  %s", candidate, "\n  ".join(verdict.unsafe))
+            if not verdict.corrupt:
+                if not verdict.recorded:
+                    logger.warning("%s predates lnstrain's file checksums: its files are not verified", candidate)
+                if skipped:
+                    logger.warning("resuming from %s, the newest checkpoint whose files verify", candidate)
+                return candidate, skipped
+            logger.error("%s failed verification; %s:\n  %s", candidate,
+                         "trying an older checkpoint" if candidate is not candidates[-1] else "no older checkpoint to try",
+                         "\n  ".join(verdict.corrupt))
+            skipped += verdict.corrupt
+        return None, skipped
+
     def load(self, deepspeed_engine: Any, step_dir: Path) -> TrainingPosition:
         """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
         metadata = read_metadata(step_dir)
         self.check_same_data(step_dir)
-        load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
-                                                        load_optimizer_states=True, load_lr_scheduler_states=True)
+        with loading_safely(deepspeed_engine, self.config.checkpoint.allow_pickle):
+            load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
+                                                            load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
         rank = _global_rank()
@@ -257,4 +343,4 @@ class CheckpointManager:
         problems = data_mismatch_problems(read_metadata(step_dir), step_dir, self.data_fingerprint,
                                           self.tokenizer_checksum)
         if problems:
-            raise ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
+            raise CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems))

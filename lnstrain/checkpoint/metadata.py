@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lnstrain.checkpoint import save_points
+from lnstrain.checkpoint.safe_load import load_tensors
 
 METADATA_FILE = "lnstrain_metadata.json"
 CONFIG_FILE = "config.yaml"
@@ -175,4 +176,4 @@ def load_rng_state(step_dir: str | os.PathLike, rank: int) -> dict[str, Any] | N
     path = rng_file(step_dir, rank)
     if not path.is_file():
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_tensors(path)

@@ -103,16 +103,17 @@ def apply_full_state(engine: Any, module: torch.nn.Module, state: FullState, mod
                     base.state[param][key].copy_(value)
 
 
-def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer_state: bool = True
-                   ) -> TrainingPosition:
+def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer_state: bool = True,
+                   allow_pickle: bool = False) -> TrainingPosition:
     """Restore ``step_dir`` (saved at any layout) into ``training_engine`` (a ``TrainingEngine`` at
     this run's layout): weights, optimizer, schedule, step counters; returns the data position.
 
-    Collective only in the sense that every rank calls it; it communicates nothing.
+    Collective only in the sense that every rank calls it; it communicates nothing. ``allow_pickle``:
+    the checkpoint is trusted (``lnstrain.checkpoint.safe_load``).
     """
     step_dir = Path(step_dir)
     config = training_engine.config
-    state = read_full_state(step_dir, config)
+    state = read_full_state(step_dir, config, allow_pickle=allow_pickle)
     engine = training_engine.engine
     apply_full_state(engine, training_engine.module, state, config.model, require_optimizer_state, str(step_dir))
     if state.scheduler_state is not None:

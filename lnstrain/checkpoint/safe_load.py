@@ -4,55 +4,143 @@
 restricts the unpickler to tensors, containers and plain values. lnstrain's own files (RNG states,
 consolidated state dicts) hold nothing else and always load that way; exports are safetensors.
 
-DeepSpeed's files also pickle a few of DeepSpeed's own data classes (the ZeRO partition map's
-``fragment_address``, the ``ZeroStageEnum`` and the fp16 ``LossScaler`` settings). They are plain
-records, so ``load_deepspeed_file`` allow-lists exactly those and still loads with
-``weights_only=True``. Only when a file holds something else (another DeepSpeed version's classes)
-and the caller explicitly trusts it does it fall back to full unpickling: that fallback is the one
-place in lnstrain's conversion code that may run pickled code.
+DeepSpeed's files also pickle a few of DeepSpeed's own record classes: the ZeRO partition map's
+``fragment_address``, ``ZeroStageEnum`` and the loss scaler's settings (``LossScaler``, and
+``DynamicLossScaler`` under fp16). Those are plain records (found by saving ZeRO 0-3, bf16, tensor-
+and pipeline-parallel checkpoints and listing their pickles' globals), so they are allow-listed and
+every DeepSpeed file still loads with ``weights_only=True``: in the tools (``load_deepspeed_file``),
+and on resume, where ``loading_safely`` puts the same loader under DeepSpeed's own
+``engine.load_checkpoint`` and ``zero_to_fp32``. A file that needs anything else is refused with a
+``CheckpointError`` naming it; only when the user says the checkpoint is trusted (``--allow-pickle``,
+``checkpoint.allow_pickle``) is such a file fully unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from lnstrain.checkpoint.engine_hooks import replaced
+from lnstrain.checkpoint.errors import CheckpointError
+
 logger = logging.getLogger(__name__)
+
+OPT_IN = "--allow-pickle (config: checkpoint.allow_pickle: true)"
+"""How a user says a checkpoint is trusted; named in every refusal."""
 
 
 def load_tensors(path: str | os.PathLike) -> Any:
-    """An lnstrain file (state dict, RNG state): tensors and plain values only."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """An lnstrain file (state dict, RNG state): tensors and plain values only, whatever the opt-in
+    says (lnstrain never writes anything else there, so a file that needs more was altered)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        if _is_refusal(error):
+            raise CheckpointError(f"{path} holds objects beyond tensors and plain values, which lnstrain never "
+                                  "writes there: the file was altered after it was saved; nothing of it was "
+                                  "loaded") from error
+        raise CheckpointError(f"cannot read {path}: {type(error).__name__}: {error}") from error
 
 
-def _deepspeed_safe_classes() -> list[type]:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+def deepspeed_safe_classes() -> list[type]:
+    """The classes DeepSpeed 0.19 pickles into its checkpoint files besides tensors and plain values."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [fragment_address, ZeroStageEnum, LossScaler]
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
-def load_deepspeed_file(path: str | os.PathLike, allow_pickle: bool = False) -> Any:
-    """A DeepSpeed checkpoint file (``*_model_states.pt``, ``*_optim_states.pt``) on the CPU.
+def _is_refusal(error: Exception) -> bool:
+    # torch raises UnpicklingError or RuntimeError for a global outside the allow-list, by version
+    return isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in str(error)
 
-    Loads with ``weights_only=True`` plus DeepSpeed's three record classes. If the file needs more,
-    it raises unless ``allow_pickle`` (the caller trusts the file's origin), in which case the file
-    is fully unpickled, as DeepSpeed's own loader does.
+
+def refusal_message(path: str | os.PathLike, needs: str) -> str:
+    return (f"{path} holds {needs}, so loading it could run code stored in it; nothing of it was loaded. "
+            f"If you trust where this checkpoint came from, pass {OPT_IN}")
+
+
+def load_deepspeed_file(path: str | os.PathLike, allow_pickle: bool = False, map_location: Any = "cpu") -> Any:
+    """A DeepSpeed checkpoint file (``*_model_states.pt``, ``*_optim_states.pt``).
+
+    Loads with ``weights_only=True`` plus DeepSpeed's record classes. A file that needs more raises
+    ``CheckpointError`` unless ``allow_pickle`` (the caller trusts the file's origin), in which case
+    it is fully unpickled, as DeepSpeed's own loader would. A file that cannot be read at all
+    (truncated, not a torch file) raises ``CheckpointError`` naming it.
     """
     try:
-        with torch.serialization.safe_globals(_deepspeed_safe_classes()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises UnpicklingError or RuntimeError, by version
-        if not isinstance(error, pickle.UnpicklingError) and "Weights only load failed" not in str(error):
-            raise
+        with torch.serialization.safe_globals(deepspeed_safe_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:
+        if not _is_refusal(error):
+            raise CheckpointError(f"cannot read {path}: {type(error).__name__}: {error}") from error
         if not allow_pickle:
-            raise ValueError(f"{path} holds objects beyond tensors and DeepSpeed's known records, so it "
-                             "cannot be loaded without running pickled code; if you trust where it came "
-                             "from, pass --allow-pickle (allow_pickle=True)\n" + str(error).splitlines()[-1]) from error
-        logger.warning("loading %s with full unpickling (allow_pickle=True): it can run code", path)
-        return torch.load(path, map_location="cpu", weights_only=False)
+            names = unsafe_globals(path)
+            raise CheckpointError(refusal_message(path, "objects beyond tensors and DeepSpeed's known records"
+                                                  + (f" ({', '.join(names)})" if names else ""))) from error
+    logger.warning("loading %s with full unpickling (allow_pickle): it can run code", path)
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def unsafe_globals(path: str | os.PathLike) -> list[str] | None:
+    """The classes and functions ``path``'s pickle names beyond what ``load_deepspeed_file`` allows,
+    read without unpickling (None when the file is not a zip-format torch file to inspect)."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_classes()):
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except (ValueError, RuntimeError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def loading_safely(deepspeed_engine: Any, allow_pickle: bool) -> Iterator[None]:
+    """Every file DeepSpeed's ``load_checkpoint`` reads goes through ``load_deepspeed_file``.
+
+    DeepSpeed reads model states, pipeline layer files and optimizer partitions through the engine's
+    ``checkpoint_engine.load``, whose torch implementation unpickles fully; this replaces that one
+    method on this engine's instance for the duration.
+    """
+    def load(path: str, map_location: Any = None) -> Any:
+        return load_deepspeed_file(path, allow_pickle, map_location)
+
+    with replaced(deepspeed_engine.checkpoint_engine, "load", load):
+        yield
+
+
+class _TorchWithLoad(types.ModuleType):
+    """``torch`` as one module sees it, with another ``load``."""
+
+    def __init__(self, name: str, load: Any) -> None:
+        super().__init__(name)
+        self.load = load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def zero3_fp32_weights(step_dir: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ``zero_to_fp32`` reader of a ZeRO-3 checkpoint, with every file it opens loaded
+    through ``load_deepspeed_file`` (it calls ``torch.load(..., weights_only=False)`` itself)."""
+    from deepspeed.utils import zero_to_fp32
+
+    step_dir = os.fspath(step_dir)
+
+    def safe_load(path: Any, map_location: Any = None, mmap: bool | None = None, **_: Any) -> Any:
+        return load_deepspeed_file(path, allow_pickle, map_location)
+
+    guarded_torch = _TorchWithLoad("torch", safe_load)
+    original = zero_to_fp32.torch
+    zero_to_fp32.torch = guarded_torch
+    try:
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(step_dir),
+                                                                     tag=os.path.basename(step_dir))
+    finally:
+        zero_to_fp32.torch = original

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lnstrain.checkpoint.engine_hooks import replaced
+
 logger = logging.getLogger(__name__)
 
 KILL_AT_ENV = "LNSTRAIN_TEST_KILL_AT_SAVE_POINT"
@@ -82,8 +84,5 @@ def around_deepspeed_files(deepspeed_engine: Any) -> Iterator[None]:
         reached("deepspeed file: written", Path(path))
         return result
 
-    checkpoint_engine.save = save
-    try:
+    with replaced(checkpoint_engine, "save", save):
         yield
-    finally:
-        del checkpoint_engine.save  # back to the class's method

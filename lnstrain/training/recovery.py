@@ -88,9 +88,11 @@ class NonFiniteRecovery:
         self.rollbacks_in_a_row = 0
 
     def roll_back(self, position: TrainingPosition, result: TrainingResult) -> TrainingPosition | None:
-        """Reload the newest checkpoint and never train on the batch that just failed; None when
-        there is no checkpoint to go back to."""
+        """Reload the newest checkpoint whose files verify and never train on the batch that just
+        failed; None when there is no checkpoint to go back to."""
         step_dir = newest_checkpoint(self.config.checkpoint_dir)
+        if step_dir is not None:
+            step_dir, _ = self.checkpoints.verified_checkpoint(step_dir, fall_back=True)
         if step_dir is None:
             return None
         self.rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])

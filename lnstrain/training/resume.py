@@ -1,5 +1,10 @@
 """Where a run starts: its own checkpoint (resharded when the parallel layout changed), the weights
-named by ``checkpoint.init_from``, or step 0."""
+named by ``checkpoint.init_from``, or step 0.
+
+The checkpoint ``checkpoint.resume`` names is verified first (``CheckpointManager.verified_checkpoint``);
+when its files do not match their records, ``auto`` and a checkpoint directory fall back to the newest
+older checkpoint that verifies, while an explicit ``global_step<N>`` is refused.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, resolve_resume
-from lnstrain.checkpoint.metadata import read_metadata
+from lnstrain.checkpoint.metadata import read_metadata, step_of
 from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:
@@ -17,8 +23,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _cannot_resume(problems: list[str]) -> ValueError:
-    return ValueError("cannot resume:\n  - " + "\n  - ".join(problems))
+def _cannot_resume(problems: list[str]) -> CheckpointError:
+    return CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems))
 
 
 def restore_or_start(config: Config, engine: TrainingEngine,
@@ -36,6 +42,16 @@ def restore_or_start(config: Config, engine: TrainingEngine,
             logger.info("initialising the model from %s (checkpoint.init_from)", config.checkpoint.init_from)
             initialize_from(engine, config.checkpoint.init_from, config.checkpoint.init_from_unfold_lns)
         return TrainingPosition(), None
+    named = step_dir
+    explicit_step = step_of(Path(config.checkpoint.resume)) is not None
+    logger.info("verifying checkpoint %s", step_dir)
+    step_dir, skipped = checkpoints.verified_checkpoint(step_dir, fall_back=not explicit_step)
+    if step_dir is None:
+        what = (f"{named} does not hold what its save wrote; pick another global_step<N> "
+                "(tools/verify_checkpoint.py says which are OK)" if explicit_step else
+                f"no checkpoint in {named.parent} holds what its save wrote; restore the files, or start a new "
+                "run (another run.name, or checkpoint.resume: none)")
+        raise CheckpointError(f"cannot resume: {what}:\n  - " + "\n  - ".join(skipped))
     logger.info("loading checkpoint %s", step_dir)
     return load_checkpoint(config, engine, checkpoints, step_dir), step_dir
 
@@ -52,6 +68,7 @@ def load_checkpoint(config: Config, engine: TrainingEngine, checkpoints: Checkpo
     problems = reshard_problems(step_dir, checkpoints.layout, fresh_optimizer)
     if problems:
         raise _cannot_resume(problems)
-    position = load_resharded(engine, step_dir, require_optimizer_state=not fresh_optimizer)
+    position = load_resharded(engine, step_dir, require_optimizer_state=not fresh_optimizer,
+                              allow_pickle=config.checkpoint.allow_pickle)
     checkpoints.mark_loaded(read_metadata(step_dir))
     return position

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
@@ -128,11 +128,25 @@ class Trainer:
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
                         self.groups.dp_rank, self.groups.dp_size)
 
-    def _save(self, position: TrainingPosition, stop: StopController) -> str:
+    def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
+        """The checkpoint written, or None when the state was not finite and nothing was saved."""
         started = time.monotonic()
         path = self.checkpoints.save(self.engine.engine, position)
         stop.record_save(time.monotonic() - started)
-        return str(path)
+        return str(path) if path is not None else None
+
+    def _last_good_checkpoint(self) -> str | None:
+        newest = newest_checkpoint(self.config.checkpoint_dir)
+        return str(newest) if newest is not None else None
+
+    def _stop_not_finite(self, position: TrainingPosition, result: TrainingResult) -> TrainingResult:
+        """A save found non-finite weights or optimizer state: every later step would build on them."""
+        result.last_checkpoint = self._last_good_checkpoint()
+        result.stop_reason = f"non-finite weights or optimizer state at step {position.step} (not saved)"
+        result.exit_code = EXIT_NONFINITE
+        logger.error("stopping: %s; the last good weights are in %s", result.stop_reason,
+                     result.last_checkpoint or "no checkpoint (none was saved before)")
+        return result
 
     def _record_eval(self, result: TrainingResult) -> None:
         loss = self.evaluate()
@@ -233,7 +247,7 @@ class Trainer:
                     position = result.position = verdict.restored
                     continue
                 if verdict.stop:
-                    result.last_checkpoint = self._save(position, stop)
+                    result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
                     result.stop_reason = self.recovery.stop_reason(position, result)
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
@@ -247,7 +261,10 @@ class Trainer:
                     decision.stop, decision.reason = True, f"reached stop_at_step {stop_at_step}"
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
-                    result.last_checkpoint = self._save(position, stop)
+                    saved = self._save(position, stop)
+                    if saved is None:
+                        return self._stop_not_finite(position, result)
+                    result.last_checkpoint = saved
                     self.recovery.checkpoint_saved()
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
@@ -256,7 +273,10 @@ class Trainer:
                     return result
             self._record_eval(result)
             if config.checkpoint.save_at_end and self.checkpoints.last_saved_step != position.step:
-                result.last_checkpoint = self._save(position, stop)
+                saved = self._save(position, stop)
+                if saved is None:
+                    return self._stop_not_finite(position, result)
+                result.last_checkpoint = saved
             self._write_final_metrics(result)
             return result
         finally:

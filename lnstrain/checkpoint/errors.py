@@ -1,0 +1,7 @@
+"""The one error a checkpoint that cannot be used raises."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be used as it is (unsafe to unpickle, corrupt, missing, or no
+    checkpoint verifies). The message names the file and what to do; the launcher prints it and
+    exits 2 without a traceback."""

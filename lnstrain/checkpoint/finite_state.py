@@ -1,0 +1,72 @@
+"""Whether the state a save would write is finite: never save non-finite weights as a good checkpoint.
+
+A NaN or Inf can reach the weights or the Adam moments without any step's loss noticing first (a
+corrupted optimizer file, a bad update whose effect shows only at the next forward). Before every
+save each rank checks what it holds, its model parameters (the local ZeRO-3 partition when
+parameters are partitioned) and everything the torch optimizer holds (the fp32 master partitions and
+every state tensor), in chunks so the check allocates at most 64 MiB, and one all-reduce makes every
+rank agree. The cost is one read of the rank's state in device memory; the save itself writes all of
+it to disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _state_tensors(deepspeed_engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every floating-point tensor of this rank's weights and optimizer state."""
+    for name, param in deepspeed_engine.module.named_parameters():
+        yield f"parameter {name}", getattr(param, "ds_tensor", param)  # ZeRO-3: the local partition
+    optimizer = deepspeed_engine.optimizer
+    base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO/bf16/fp16 wrappers hold the torch one
+    if base is None:
+        return
+    for g, group in enumerate(base.param_groups):
+        for i, param in enumerate(group["params"]):
+            yield f"optimizer parameter {i} of group {g}", param
+            for key, value in base.state.get(param, {}).items():
+                if torch.is_tensor(value):
+                    yield f"optimizer state {key!r} of parameter {i} of group {g}", value
+
+
+def _is_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``tensor``'s device, without a full-size temporary."""
+    flat = tensor.detach().reshape(-1)
+    finite = torch.ones((), dtype=torch.bool, device=flat.device)
+    for chunk in flat.split(_CHUNK_ELEMENTS):
+        finite &= torch.isfinite(chunk).all()
+    return finite
+
+
+def local_nonfinite(deepspeed_engine: Any) -> list[str]:
+    """Names of this rank's non-finite state tensors (empty: all finite). One host sync when finite."""
+    device = torch.device(deepspeed_engine.device)
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    tensors = [(name, t) for name, t in _state_tensors(deepspeed_engine) if t.is_floating_point() and t.numel()]
+    for _, tensor in tensors:
+        finite &= _is_finite(tensor).to(device)
+    if bool(finite.item()):
+        return []
+    return [name for name, tensor in tensors if not bool(_is_finite(tensor).item())]
+
+
+def nonfinite_state(deepspeed_engine: Any) -> list[str]:
+    """Collective (every rank calls it): the non-finite state tensors of every rank, as
+    ``rank R: <name>`` lines, the same list on every rank; empty when everything is finite."""
+    local = local_nonfinite(deepspeed_engine)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [f"rank 0: {name}" for name in local]
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=torch.device(deepspeed_engine.device))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return []
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, local)
+    return [f"rank {rank}: {name}" for rank, names in enumerate(everyone) for name in names]
