@@ -8,8 +8,9 @@
 
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
-reported together with exit code 2. SIGTERM or SIGUSR1 (or train.exit_after_minutes) make every
-rank save after the same step and exit 75. Rerunning a finished run says so and changes nothing.
+reported together with exit code 2; so is a checkpoint that cannot be resumed safely (a file
+whose pickle would run code, no checkpoint whose files verify). SIGTERM or SIGUSR1 (or
+train.exit_after_minutes) make every rank save after the same step and exit 75. Rerunning a finished run says so and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
 be resumed (the same command continues); see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other

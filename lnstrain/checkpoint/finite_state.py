@@ -4,9 +4,9 @@ A NaN or Inf can reach the weights or the Adam moments without any step's loss n
 corrupted optimizer file, a bad update whose effect shows only at the next forward). Before every
 save each rank checks what it holds, its model parameters (the local ZeRO-3 partition when
 parameters are partitioned) and everything the torch optimizer holds (the fp32 master partitions and
-every state tensor), in chunks so the check allocates at most 64 MiB, and one all-reduce makes every
-rank agree. The cost is one read of the rank's state in device memory; the save itself writes all of
-it to disk.
+every state tensor) by summing each tensor (a NaN or an infinity makes the sum non-finite; only then
+is the tensor checked element by element), and one all-reduce makes every rank agree. The cost is
+one read of the rank's state in memory; the save itself writes all of it to disk.
 """
 
 from __future__ import annotations
@@ -36,13 +36,16 @@ def _state_tensors(deepspeed_engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"optimizer state {key!r} of parameter {i} of group {g}", value
 
 
-def _is_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool on ``tensor``'s device, without a full-size temporary."""
-    flat = tensor.detach().reshape(-1)
-    finite = torch.ones((), dtype=torch.bool, device=flat.device)
-    for chunk in flat.split(_CHUNK_ELEMENTS):
-        finite &= torch.isfinite(chunk).all()
-    return finite
+def _sum_is_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: False when ``tensor`` holds a NaN or an infinity (they make the sum non-finite),
+    or when its sum overflows (finite values too large to add up; ``_is_finite`` tells them apart).
+    A sum reads the tensor once without a temporary: on a CPU 20-30 times faster than ``isfinite``."""
+    return torch.isfinite(tensor.detach().sum())
+
+
+def _is_finite(tensor: torch.Tensor) -> bool:
+    """Exactly whether every element is finite (in chunks: no full-size temporary)."""
+    return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.detach().reshape(-1).split(_CHUNK_ELEMENTS))
 
 
 def local_nonfinite(deepspeed_engine: Any) -> list[str]:
@@ -51,10 +54,10 @@ def local_nonfinite(deepspeed_engine: Any) -> list[str]:
     finite = torch.ones((), dtype=torch.bool, device=device)
     tensors = [(name, t) for name, t in _state_tensors(deepspeed_engine) if t.is_floating_point() and t.numel()]
     for _, tensor in tensors:
-        finite &= _is_finite(tensor).to(device)
+        finite &= _sum_is_finite(tensor).to(device)
     if bool(finite.item()):
         return []
-    return [name for name, tensor in tensors if not bool(_is_finite(tensor).item())]
+    return [name for name, tensor in tensors if not bool(_sum_is_finite(tensor)) and not _is_finite(tensor)]
 
 
 def nonfinite_state(deepspeed_engine: Any) -> list[str]:

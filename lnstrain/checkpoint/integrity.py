@@ -21,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,23 +52,38 @@ class ChecksumWriter:
     """A write-only binary file for ``torch.save`` that hashes the bytes on their way to ``raw``.
 
     It has no ``seek`` or ``tell``: torch's writer must produce the file front to back, so the hash
-    is of exactly the bytes on disk (a writer that needed to seek would fail instead)."""
+    is of exactly the bytes on disk (a writer that needed to seek would fail instead). A large buffer
+    is hashed on a helper thread while it is written (both release the GIL), so hashing adds little
+    to the save when the disk is not faster than SHA-256; each ``write`` returns only when both are
+    done, as torch may reuse the buffer afterwards.
+    """
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.size = 0
         self._hash = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lnstrain-sha256")
 
     def write(self, data: Any) -> int:
-        self._hash.update(data)
-        self.size += memoryview(data).nbytes
-        return self.raw.write(data)
+        size = memoryview(data).nbytes
+        if size < _CHUNK:
+            self._hash.update(data)
+            written = self.raw.write(data)
+        else:
+            hashed = self._hasher.submit(self._hash.update, data)
+            written = self.raw.write(data)
+            hashed.result()
+        self.size += size
+        return written
 
     def flush(self) -> None:
         self.raw.flush()
 
     def record(self, rank: int) -> FileRecord:
         return FileRecord(self.size, self._hash.hexdigest(), rank)
+
+    def close(self) -> None:
+        self._hasher.shutdown()
 
 
 def file_record(path: str | os.PathLike, rank: int) -> FileRecord:
@@ -114,7 +130,10 @@ def recording_deepspeed_files(deepspeed_engine: Any, step_dir: Path, rank: int) 
             return
         with open(path, "wb") as raw:
             writer = ChecksumWriter(raw)
-            torch.save(state_dict, writer, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            try:
+                torch.save(state_dict, writer, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            finally:
+                writer.close()
         if name is not None:
             records[name] = writer.record(rank)
 
@@ -160,7 +179,8 @@ def file_problem(step_dir: Path, name: str, record: FileRecord) -> str | None:
     except OSError as error:
         return f"{path}: cannot be read ({error.strerror or error})"
     if found.sha256 != record.sha256:
-        return f"{path}: its bytes differ from what its save wrote (sha256 {found.sha256[:16]}…, recorded {record.sha256[:16]}…)"
+        return (f"{path}: its bytes differ from what its save wrote (sha256 {found.sha256[:16]}…, "
+                f"recorded {record.sha256[:16]}…)")
     return None
 
 

@@ -27,7 +27,8 @@ import lnstrain
 from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.finite_state import nonfinite_state
-from lnstrain.checkpoint.integrity import FileRecord, Verdict, check_step_dir, file_record, marker_text, recording_deepspeed_files
+from lnstrain.checkpoint.integrity import (FileRecord, Verdict, check_step_dir, file_record, marker_text,
+                                           recording_deepspeed_files)
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
                                           CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
                                           read_metadata, restore_rng_state, rng_file, save_rng_state,
@@ -156,13 +157,13 @@ class TrainingPosition:
                    [list(r) for r in metadata.skipped_sample_ranges], metadata.nonfinite_steps, metadata.loss_spikes, metadata.skipped_batches)
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
 
 
 def _global_rank() -> int:
@@ -303,9 +304,8 @@ class CheckpointManager:
                 if skipped:
                     logger.warning("resuming from %s, the newest checkpoint whose files verify", candidate)
                 return candidate, skipped
-            logger.error("%s failed verification; %s:\n  %s", candidate,
-                         "trying an older checkpoint" if candidate is not candidates[-1] else "no older checkpoint to try",
-                         "\n  ".join(verdict.corrupt))
+            next_move = "trying an older checkpoint" if candidate is not candidates[-1] else "no older checkpoint to try"
+            logger.error("%s failed verification; %s:\n  %s", candidate, next_move, "\n  ".join(verdict.corrupt))
             skipped += verdict.corrupt
         return None, skipped
 

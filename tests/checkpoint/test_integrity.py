@@ -19,7 +19,7 @@ from tests.checkpoint.tampering import Payload, overwrite_middle, plant, rerecor
 from tests.checkpoint.test_manager import fake_checkpoint
 from tests.tool_scripts import load_tool
 
-STATE = {"weight": torch.arange(40_000, dtype=torch.float32), "step": 3}
+STATE = {"weight": torch.arange(40_000, dtype=torch.float32), "large": torch.ones(3 << 20), "step": 3}
 
 
 @pytest.mark.parametrize("zip_format", [True, False])
@@ -28,6 +28,7 @@ def test_hash_while_writing_equals_the_file_on_disk(tmp_path, zip_format):
     with open(path, "wb") as raw:
         writer = ChecksumWriter(raw)
         torch.save(STATE, writer, _use_new_zipfile_serialization=zip_format)
+        writer.close()
     assert writer.record(rank=3) == file_record(path, rank=3)
     assert torch.equal(torch.load(path, weights_only=True)["weight"], STATE["weight"])
 

@@ -49,8 +49,8 @@ def inject(trainer, where: str, at_step: int, on_rank: int | None = None) -> Non
     trainer._step = step
 
 
-def nan_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path, runs: list[tuple[str, str, str, int, int | None]]
-             ) -> dict:
+def nan_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path,
+             runs: list[tuple[str, str, str, int, int | None]]) -> dict:
     from lnstrain.training.trainer import Trainer
 
     results = {}

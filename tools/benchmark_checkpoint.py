@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""What lnstrain's checkpoint checks cost: a save with them against DeepSpeed's plain save, and a
+resume's verification of every file.
+
+    python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --dir /tmp/checkpoint_bench
+
+One rank builds the config's model and DeepSpeed engine, takes one optimizer step on random tokens
+(so the Adam moments exist), then alternates --repeats times: DeepSpeed's own save_checkpoint plus
+an fsync (what a save costs without lnstrain's checks), and lnstrain's CheckpointManager.save (the
+finiteness check, SHA-256 of every file as it is written, the RNG/metadata files, fsync, the
+completion marker). It also times the finiteness check alone and the resume's verification of the
+saved files (size and SHA-256 of each, the pickle scan) twice: right after the save (page cache
+warm) and after asking the kernel to drop the files' cached pages (posix_fadvise DONTNEED: a cold
+read, as after a restart on another node). Prints the medians of wall-clock and process CPU time
+(all threads; the steadier of the two on a shared machine). Files are deleted after each save.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lnstrain.config.loader import add_override_argument  # noqa: E402
+from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+
+SHORT_STEP = ["train.global_batch_size=1", "train.micro_batch_size=1", "data.seq_len=32"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--config", required=True, help="run description (YAML); its data files are not needed")
+    add_override_argument(parser)
+    parser.add_argument("--dir", required=True, help="where to write the checkpoints (emptied of them afterwards)")
+    parser.add_argument("--repeats", type=int, default=3, help="saves of each kind")
+    return parser.parse_args(argv)
+
+
+def drop_cached_pages(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(action) -> tuple[float, float]:
+    """(wall-clock seconds, CPU seconds of this process, all threads) that ``action()`` took."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    action()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from lnstrain.testing.distributed import distributed_env, free_port
+
+    os.environ.update(distributed_env(0, 1, free_port()))
+    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm, name_cpu_accelerator_if_no_cuda
+
+    name_cpu_accelerator_if_no_cuda()
+    init_deepspeed_comm("gloo")
+    from lnstrain.benchmark.runners import synthetic_micro_batches
+    from lnstrain.checkpoint.finite_state import nonfinite_state
+    from lnstrain.checkpoint.integrity import check_step_dir
+    from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
+    from lnstrain.checkpoint.metadata import fsync_tree
+    from lnstrain.config.run_config import load_config
+    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.training.engine import build_engine
+
+    directory = Path(args.dir)
+    overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null"]
+    config = load_config(args.config, overrides, 1, validate=False)
+    engine = build_engine(config, ParallelGroups.build(1, 1), 1)
+    engine.train_step(synthetic_micro_batches(config, engine.accumulation_steps, seed=0))
+    manager = CheckpointManager(config, 1, (1, 1, 1), None, None)
+
+    plain, checked, finite, warm, cold, sizes = [], [], [], [], [], []
+    for repeat in range(args.repeats):
+        plain_dir = directory / f"plain{repeat}"
+
+        def plain_save() -> None:
+            engine.engine.save_checkpoint(str(directory), tag=plain_dir.name, save_latest=False)
+            fsync_tree(plain_dir)
+
+        plain.append(timed(plain_save))
+        shutil.rmtree(plain_dir)
+        checked.append(timed(lambda: manager.save(engine.engine, TrainingPosition(step=repeat + 1))))
+        step_dir = directory / f"global_step{repeat + 1}"
+        finite.append(timed(lambda: nonfinite_state(engine.engine)))
+        warm.append(timed(lambda: check_step_dir(step_dir)))
+        drop_cached_pages(step_dir)
+        cold.append(timed(lambda: check_step_dir(step_dir)))
+        sizes.append(sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file()))
+        shutil.rmtree(step_dir)
+
+    parameters = sum(p.numel() for p in engine.module.parameters())
+    gib = statistics.median(sizes) / 2**30
+    rows = [("DeepSpeed save + fsync", plain), ("lnstrain save (all checks)", checked),
+            ("  finiteness check alone", finite), ("resume verification, warm", warm),
+            ("resume verification, cold", cold)]
+    print(f"{args.config}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
+          f"ZeRO-{config.parallel.zero_stage}, 1 rank; checkpoint {gib:.2f} GiB; medians of {args.repeats}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}")
+    for label, values in rows:
+        wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
+        rate = f"   {gib / wall:.2f} GiB/s" if label.startswith("resume") else ""
+        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{rate}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
