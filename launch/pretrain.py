@@ -9,8 +9,10 @@
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
 reported together with exit code 2; so is a checkpoint that cannot be resumed safely (a file
-whose pickle would run code, no checkpoint whose files verify). SIGTERM or SIGUSR1 (or
-train.exit_after_minutes) make every rank save after the same step and exit 75. Rerunning a finished run says so and changes nothing.
+whose pickle would run code, no checkpoint whose files verify). A save that cannot write (no space,
+no permission, on any rank) stops every rank with exit 1 and one message naming the rank, the path
+and the free space. SIGTERM or SIGUSR1 (or train.exit_after_minutes) make every rank save after the
+same step and exit 75. Rerunning a finished run says so and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
 be resumed (the same command continues); see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         result = pretrain(config, world_size)
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
-        print(f"lnstrain: {error}", file=sys.stderr)
+        if rank == 0 or not error.agreed:  # an agreed failure: every rank holds the same message
+            print(f"lnstrain: {error}", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
         print(f"lnstrain: {error}", file=sys.stderr)

@@ -34,6 +34,7 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_F
                                           read_metadata, restore_rng_state, rng_file, save_rng_state,
                                           step_dir_name, step_of, write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
+from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
 from lnstrain.checkpoint.write_errors import explains_write_failures
 
 logger = logging.getLogger(__name__)
@@ -161,11 +162,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _global_rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
@@ -239,17 +235,43 @@ class CheckpointManager:
                          "%s", step_dir, shown, read_latest(self.directory) or "no checkpoint")
             return None
         save_points.reached("save started", step_dir)
+        held = HeldFailure()
         if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if step_dir.exists():  # an interrupted save, or a step redone after resuming from an older one
-                (step_dir / COMPLETE_MARKER).unlink(missing_ok=True)
-                save_points.reached("stale step directory marked incomplete", step_dir)
-                shutil.rmtree(step_dir)
-        _barrier()
+            with held.catching():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if step_dir.exists():  # an interrupted save, or a step redone after resuming from an older one
+                    (step_dir / COMPLETE_MARKER).unlink(missing_ok=True)
+                    save_points.reached("stale step directory marked incomplete", step_dir)
+                    shutil.rmtree(step_dir)
+        self._agree(held, step_dir)
         with recording_deepspeed_files(deepspeed_engine, step_dir, rank) as records, \
-                save_points.around_deepspeed_files(deepspeed_engine):
+                save_points.around_deepspeed_files(deepspeed_engine), \
+                holding_deepspeed_failures(deepspeed_engine, held):
             deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
                                              client_state={"lnstrain_position": vars(position)})
+        if held.error is None:
+            with held.catching():
+                self._write_own_files(step_dir, rank, position, records)
+        every_file: dict[str, FileRecord] = {}
+        for rank_records in self._agree(held, step_dir, records):  # also proves every rank's files are written
+            every_file.update(rank_records)
+        save_points.reached("every rank finished writing", step_dir)
+        if rank == 0:
+            with held.catching():
+                write_atomically(step_dir / COMPLETE_MARKER, marker_text(every_file))
+                write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
+                for deleted in apply_retention(self.directory, self.config.checkpoint.keep_last):
+                    logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
+                                self.config.checkpoint.keep_last)
+        self._agree(held, step_dir)
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = position.step
+        logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
+        return step_dir
+
+    def _write_own_files(self, step_dir: Path, rank: int, position: TrainingPosition,
+                         records: dict[str, FileRecord]) -> None:
+        """This rank's RNG file (rank 0: metadata and config), recorded; then every file fsynced."""
         save_rng_state(step_dir, rank)
         save_points.reached("RNG state written", step_dir)
         own_files = [rng_file(step_dir, rank)]
@@ -261,21 +283,14 @@ class CheckpointManager:
             records[path.relative_to(step_dir).as_posix()] = file_record(path, rank)
         fsync_tree(step_dir)
         save_points.reached("step directory fsynced", step_dir)
-        every_file: dict[str, FileRecord] = {}
-        for rank_records in _gather(records):  # also proves every rank's files are written and flushed
-            every_file.update(rank_records)
-        save_points.reached("every rank finished writing", step_dir)
-        if rank == 0:
-            write_atomically(step_dir / COMPLETE_MARKER, marker_text(every_file))
-            write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
-            for deleted in apply_retention(self.directory, self.config.checkpoint.keep_last):
-                logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
-                            self.config.checkpoint.keep_last)
-        _barrier()
-        self.last_save_time = time.monotonic()
-        self.last_saved_step = position.step
-        logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
-        return step_dir
+
+    def _agree(self, held: HeldFailure, step_dir: Path, payload: Any = None) -> list[Any]:
+        """End a phase of the save on every rank: every rank's ``payload`` in rank order, or, when any
+        rank's phase failed, the same error raised on every rank (collective)."""
+        report = held.report(_global_rank(), step_dir, newest_checkpoint(self.directory)) if held.error else None
+        gathered = _gather((payload, report))
+        raise_if_any_failed([rank_report for _, rank_report in gathered], held, _world_size())
+        return [rank_payload for rank_payload, _ in gathered]
 
     def verified_checkpoint(self, step_dir: Path, fall_back: bool) -> tuple[Path | None, list[str]]:
         """(the checkpoint to load, problems of those skipped): ``step_dir`` if its files verify,

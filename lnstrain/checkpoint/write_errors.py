@@ -26,7 +26,12 @@ NEARLY_FULL = 0.01
 
 class CheckpointWriteError(OSError):
     """A checkpoint save failed to write (no space, no permission, another I/O error); the message says
-    where, why and what to do. The previous checkpoint is untouched."""
+    where, why and what to do. The previous checkpoint is untouched. ``agreed``: every rank raised this
+    same message (``save_agreement``), so one rank printing it is enough."""
+
+    def __init__(self, message: str, agreed: bool = False) -> None:
+        super().__init__(message)
+        self.agreed = agreed
 
 
 def is_write_failure(error: BaseException) -> bool:

@@ -148,3 +148,86 @@ def test_a_real_read_only_directory_is_explained(tmp_path):
         assert "Make" in describe_write_failure(error.value, directory / "global_step2", None)
     finally:
         directory.chmod(0o755)
+
+
+
+def fail_step_4_on_one_rank(rank: int, world_size: int, corpus: TinyCorpus, root: Path, scenario: str) -> dict:
+    """The save of step 4 fails on one rank only (``scenario`` says where and how); then a rerun."""
+    import torch.distributed
+    from lnstrain.checkpoint import save_points, write_errors
+    from lnstrain.checkpoint.metadata import COMPLETE_MARKER
+    from lnstrain.config.run_config import load_config
+    from lnstrain.training.trainer import pretrain
+
+    overrides = tiny_run_overrides(corpus, root) + RUN
+    argv = ["--config", str(TINY_RUN_CONFIG)] + [part for o in overrides for part in ("--set", o)]
+    checkpoints = root / "tiny" / "checkpoints"
+
+    def full_disk(path: Path) -> None:  # what torch raises for a real full disk is tested on one rank above
+        write_errors.free_space = lambda _: (FULL_DISK.free, FULL_DISK.total)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def marker_cannot_be_written(step_dir: Path) -> None:
+        (step_dir / COMPLETE_MARKER).mkdir()  # rank 0's marker write then fails (a directory is in the way)
+
+    def serialization_bug(path: Path) -> None:
+        raise RuntimeError(f"injected: cannot serialise {path.name}")
+
+    failing_rank, label, fail = {
+        "rank 1 disk full": (1, "deepspeed file: before", full_disk),
+        "rank 0 marker": (0, "every rank finished writing", marker_cannot_be_written),
+        "rank 1 bug": (1, "deepspeed file: before", serialization_bug)}[scenario]
+
+    def observe(point: str, path: Path | None) -> None:
+        if point == label and "global_step4" in str(path):
+            save_points.observer = None
+            if rank == failing_rank:
+                fail(path)
+
+    save_points.observer = observe
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            code = _launcher_main()(argv)
+    except RuntimeError as error:  # not a write failure: the failing rank's own error, the others name it
+        code = f"RuntimeError: {error}"
+    finally:
+        save_points.observer = None
+    out = {"code": code, "stderr": stderr.getvalue(), "after": newest_checkpoint(checkpoints)}
+    if scenario == "rank 0 marker" and rank == 0:
+        (checkpoints / "global_step4" / COMPLETE_MARKER).rmdir()  # what was in the way; the rerun redoes step 4
+    torch.distributed.barrier()
+    resumed = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+    out["resumed steps"] = sorted(resumed.losses)
+    out["step 4 complete"] = is_complete(checkpoints / "global_step4")
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario", ["rank 1 disk full", "rank 0 marker", "rank 1 bug"])
+def test_a_save_failing_on_one_rank_stops_every_rank_with_one_message(tiny_corpus, tmp_path, scenario):
+    """No rank waits in a collective for a rank whose save failed (before, the others hung until the
+    collective timeout): whichever rank fails, in whichever phase of the save, every rank stops, the
+    message is printed once and names the rank, and the previous checkpoint is what a rerun resumes."""
+    out0, out1 = run_distributed(fail_step_4_on_one_rank, 2, tiny_corpus, tmp_path, scenario, timeout_s=300)
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    step4, step2 = checkpoints / "global_step4", checkpoints / "global_step2"
+    if scenario == "rank 1 disk full":
+        assert out0["code"] == out1["code"] == 1
+        assert out0["stderr"].startswith(
+            f"lnstrain: rank 1 of 2: cannot save checkpoint {step4}: No space left on device writing "
+            f"{step4 / 'zero_pp_rank_1_mp_rank_00_optim_states.pt'}. "), out0["stderr"]
+        assert "4.0 KiB free of 10.0 GiB. It is full" in out0["stderr"] and "Traceback" not in out0["stderr"]
+        assert f"The previous checkpoint {step2} is untouched" in out0["stderr"]
+    elif scenario == "rank 0 marker":
+        assert out0["code"] == out1["code"] == 1
+        assert out0["stderr"].startswith(f"lnstrain: rank 0 of 2: cannot save checkpoint {step4}: Is a directory"
+                                         ), out0["stderr"]
+    else:
+        assert out1["code"] == "RuntimeError: injected: cannot serialise zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        assert out0["code"].startswith("RuntimeError: rank 1 failed while saving a checkpoint (RuntimeError: "
+                                       "injected"), out0["code"]
+    assert "lnstrain:" not in out1["stderr"], out1["stderr"]  # printed once, by rank 0
+    for out in (out0, out1):
+        assert out["after"] == step2
+        assert out["resumed steps"] == [3, 4] and out["step 4 complete"]
