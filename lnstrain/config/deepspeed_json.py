@@ -1,25 +1,18 @@
 """The DeepSpeed JSON, derived from the run config (never written by hand).
 
 lnstrain builds the optimizer and the learning-rate schedule itself and hands them to DeepSpeed, so
-the JSON holds only batch shape, precision, ZeRO and clipping. The config's ``deepspeed:`` section
-is merged last, for DeepSpeed options lnstrain does not model (bucket sizes, offload, ...).
+the JSON holds only batch shape, precision, ZeRO and clipping, as ``lnstrain.config.feasibility``
+decides them (which optimizer DeepSpeed will wrap ours in, who clips). The config's ``deepspeed:``
+section is merged in, for DeepSpeed options lnstrain does not model (bucket sizes, offload, ...).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lnstrain.config.feasibility import asks_fp32_accumulation, optimizer_kind
 from lnstrain.config.loader import deep_merge
 from lnstrain.config.run_config import Config
-
-# bf16 gradient accumulation in DeepSpeed 0.19 (measured: 1-rank engines, tests/training/test_engine_precision.py):
-#   ZeRO 1/2/3: "data_types.grad_accum_dtype: fp32" selects fp32 accumulation (BF16_Optimizer at stage 1,
-#     the ZeRO optimizers at 2 and 3).
-#   ZeRO 0: that key is refused ("unsupported mix of model_dtype=bf16 and grad_accum_dtype=fp32"), so the
-#     JSON leaves it out. Pipelines then get BF16_Optimizer, which adds each micro-batch's bf16 gradient
-#     into fp32 buffers (fp32 accumulation all the same); without a pipeline DeepSpeed wraps the optimizer
-#     with fp32 master weights but accumulates in the bf16 .grad, which is exact only for one micro-batch
-#     per step: ``bf16_accumulation_problem`` names that case so the engine refuses it before starting.
 
 # DeepSpeed prints its own progress every N steps; lnstrain logs itself, so this is effectively never.
 _QUIET_STEPS = 2**31 - 1
@@ -72,40 +65,14 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     if config.parallel.zero_stage > 0:
         bucket = zero_bucket_elements(config)
         derived["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
-    if precision.dtype == "bf16" and precision.fp32_grad_accum and config.parallel.zero_stage > 0:
+    if asks_fp32_accumulation(config):  # BF16_Optimizer at ZeRO 1, the ZeRO optimizers at 2 and 3
         derived["data_types"] = {"grad_accum_dtype": "fp32"}
     if config.parallel.pipeline > 1:
         derived["pipeline"] = {"activation_checkpoint_interval": 0}
-    return deep_merge(derived, config.deepspeed)
-
-
-def bf16_accumulation_problem(config: Config, world_size: int) -> str:
-    """Why DeepSpeed cannot give this config the fp32 gradient accumulation it asks for; empty when it can."""
-    precision, parallel = config.precision, config.parallel
-    if not (precision.dtype == "bf16" and precision.fp32_grad_accum and parallel.zero_stage == 0
-            and parallel.pipeline == 1):
-        return ""
-    if parallel.tensor < 1 or config.data_parallel_size(world_size) < 1 or config.train.micro_batch_size < 1:
-        return ""  # a layout problem reported on its own
-    steps = config.grad_accumulation_steps(world_size)
-    if steps <= 1:
-        return ""
-    return (f"precision.dtype bf16 with precision.fp32_grad_accum and parallel.zero_stage 0 accumulates {steps} "
-            "micro-batches per step, but DeepSpeed accumulates bf16 gradients in fp32 only under ZeRO (or a "
-            "pipeline). Set parallel.zero_stage: 1 (the same update, optimizer state split over data-parallel "
-            "ranks), or precision.fp32_grad_accum: false to accumulate in bf16, or one micro-batch per step "
-            "(train.micro_batch_size = train.global_batch_size / data-parallel size).")
-
-
-def fp16_loss_scaling_problem(config: Config) -> str:
-    """fp16 at ZeRO 0: DeepSpeed 0.19's engine scales the loss in backward only for ZeRO optimizers, while
-    its FP16_Optimizer / FP16_UnfusedOptimizer still divide the gradients by the loss scale, so every
-    update would be 1/scale of its size (upstream: deepspeedai/DeepSpeed PR 8393). Empty when fine."""
-    if config.precision.dtype != "fp16" or config.parallel.zero_stage > 0:
-        return ""
-    return ("precision.dtype fp16 with parallel.zero_stage 0: DeepSpeed 0.19 does not scale the fp16 loss "
-            "without ZeRO but still unscales the gradients, which would shrink every update by the loss "
-            "scale. Set parallel.zero_stage: 1 (or higher), or precision.dtype: bf16.")
+    merged = deep_merge(derived, config.deepspeed)
+    if optimizer_kind(config).lnstrain_clips:  # lnstrain clips (GradClipHook): DeepSpeed must not clip again
+        merged["gradient_clipping"] = 0.0
+    return merged
 
 
 def deepspeed_config_problems(config: Config, world_size: int) -> list[str]:

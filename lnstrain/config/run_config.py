@@ -1,7 +1,8 @@
 """The whole description of a run: one YAML file, parsed into the sections' dataclasses.
 
 Each component owns its section's dataclass (model, parallel, data, ...); this file only composes
-them, adds the cross-section checks, and loads, overrides and saves the result.
+them, runs the cross-section checks (``lnstrain.config.feasibility``) with theirs, and loads, overrides
+and saves the result.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Iterable
 import yaml
 
 from lnstrain.checkpoint.config import CheckpointConfig
+from lnstrain.config.feasibility import cross_section_problems
 from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, load_yaml_with_bases, read_dataclass,
                                    to_dict)
 from lnstrain.data.config import DataConfig
@@ -120,7 +122,8 @@ class Config:
 
     # --- checks -------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, check_files: bool = True) -> list[str]:
-        """Every problem with this config, including those that depend on the world size.
+        """Every problem with this config: each section's and every rule between sections (precision ×
+        ZeRO × pipeline included, ``lnstrain.config.feasibility``), those that need the world size when given.
 
         ``check_files=False`` skips the existence of data and tokenizer files (planning, dry runs).
         """
@@ -130,38 +133,7 @@ class Config:
         for section in (self.run, self.parallel, self.optim, self.train,
                         self.precision, self.checkpoint, self.logging):
             problems += section.validate()
-        problems += self.cross_section_problems(world_size)
-        return problems
-
-    def cross_section_problems(self, world_size: int | None) -> list[str]:
-        """Problems between sections (layout vs model shape, batch divisibility, sequence lengths)."""
-        problems = []
-        model, par, train = self.model, self.parallel, self.train
-        tp, pp = par.tensor, par.pipeline
-        if pp >= 1 and model.num_layers < pp:
-            problems.append(f"model.num_layers ({model.num_layers}) is smaller than parallel.pipeline "
-                            f"({pp}); every stage needs at least one layer")
-        if par.pipeline_boundaries is not None and sum(par.pipeline_boundaries) != model.num_layers:
-            problems.append(f"parallel.pipeline_boundaries sum to {sum(par.pipeline_boundaries)} "
-                            f"but model.num_layers is {model.num_layers}")
-        if par.sequence_parallel and tp > 1 and self.data.seq_len % tp:
-            problems.append(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tensor "
-                            f"({tp}) with sequence parallelism")
-        if self.data.seq_len > model.max_seq_len:
-            problems.append(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
-        if world_size is not None and tp >= 1 and pp >= 1:
-            if world_size % (tp * pp):
-                problems.append(f"world size {world_size} is not divisible by parallel.tensor × "
-                                f"parallel.pipeline ({tp} × {pp}); launch a multiple of {tp * pp} ranks")
-            else:
-                dp = self.data_parallel_size(world_size)
-                per_step = train.micro_batch_size * dp
-                if train.micro_batch_size >= 1 and train.global_batch_size % per_step:
-                    problems.append(
-                        f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-                        f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × {dp} "
-                        f"= {per_step}); try train.global_batch_size: "
-                        f"{max(per_step, round(train.global_batch_size / per_step) * per_step)}")
+        problems += cross_section_problems(self, world_size)
         return problems
 
     def check(self, world_size: int | None = None) -> "Config":

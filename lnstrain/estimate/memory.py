@@ -15,8 +15,8 @@ Model states, per parameter ψ held by the rank (matrices / tensor size t, norm 
 stage's layers, the vocabulary-parallel embedding on the first stage and the head on the last):
 weights 2 bytes in bf16/fp16, 4 in fp32 (ZeRO 3 divides them by the data-parallel size d); Adam's
 moments 8 and, except for fp32 without ZeRO, an fp32 master copy 4, divided by d under ZeRO. The
-rest depends on the optimizer DeepSpeed 0.19 wraps ours in (``deepspeed_optimizer``); each row was
-measured term by term on CPU engines (``lnstrain.benchmark.phase_memory``, docs/performance.md),
+rest depends on the optimizer DeepSpeed 0.19 wraps ours in (``lnstrain.config.feasibility.optimizer_kind``);
+each row was measured term by term on CPU engines (``lnstrain.benchmark.phase_memory``, docs/performance.md),
 E = min(ψ, 500M) the engine's all-reduce bucket, R the ZeRO reduce bucket, m the largest tensor:
 
     kind            persistent         end of backward                        step
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lnstrain.config.feasibility import OptimizerKind, optimizer_kind
 from lnstrain.config.run_config import Config
 from lnstrain.model.config import ModelConfig, NormScheme
 from lnstrain.model.norm_schemes import has_final_norm, norms_per_block
@@ -147,8 +148,8 @@ class MemoryEstimate:
     pipeline: int
     data: int
     zero_stage: int
-    optimizer_kind: str
-    """The optimizer DeepSpeed wraps ours in (``deepspeed_optimizer``)."""
+    optimizer_kind: OptimizerKind
+    """The optimizer DeepSpeed wraps ours in."""
     device: str = "cuda"
 
     @property
@@ -237,21 +238,6 @@ def element_bytes(config: Config) -> int:
     return 4 if config.precision.dtype == "fp32" else 2
 
 
-def deepspeed_optimizer(config: Config) -> str:
-    """Which DeepSpeed optimizer wraps ours (DeepSpeed 0.19, measured in tests/training/test_engine_precision.py):
-    ``fp16_unfused`` (16-bit, ZeRO 0, no pipeline), ``bf16_optimizer`` (bf16 with fp32 accumulation at
-    ZeRO 1, or any bf16 pipeline at ZeRO 0), ``zero`` (ZeRO 1/2 otherwise), ``zero3``, or ``none`` (fp32 ZeRO 0)."""
-    precision, parallel = config.precision, config.parallel
-    if parallel.zero_stage == 3:
-        return "zero3"
-    if precision.dtype == "bf16" and ((parallel.zero_stage == 1 and precision.fp32_grad_accum)
-                                      or (parallel.zero_stage == 0 and parallel.pipeline > 1)):
-        return "bf16_optimizer"
-    if parallel.zero_stage > 0:
-        return "zero"
-    return "none" if precision.dtype == "fp32" else "fp16_unfused"
-
-
 def _reduce_bucket(config: Config, world_size: int) -> tuple[int, bool]:
     """(``reduce_bucket_size``, ``overlap_comm``) from the DeepSpeed JSON lnstrain derives."""
     from lnstrain.config.deepspeed_json import DEEPSPEED_BUCKET_DEFAULT, deepspeed_config
@@ -274,18 +260,19 @@ class _OptimizerTerms:
     backward_buffers: float = 0.0
 
 
-def _optimizer_terms(config: Config, world_size: int, kind: str, params: int, largest: int) -> _OptimizerTerms:
+def _optimizer_terms(config: Config, world_size: int, kind: OptimizerKind, params: int,
+                     largest: int) -> _OptimizerTerms:
     d = max(config.data_parallel_size(world_size), 1)
     e = element_bytes(config)
     flat = min(params, ENGINE_ALLREDUCE_BUCKET)  # what the engine's all-reduce flattens at once
-    if kind == "none":
+    if kind is OptimizerKind.NONE:
         return _OptimizerTerms(8 * params, 0.0, 4 * params + 4 * flat, 4 * params + 4 * largest, 4 * params)
-    if kind == "fp16_unfused":
+    if kind is OptimizerKind.FP16_UNFUSED:
         return _OptimizerTerms(12 * params, 0.0, 2 * params + 2 * flat, 6 * params, 2 * params)
-    if kind == "bf16_optimizer":
+    if kind is OptimizerKind.BF16_OPTIMIZER:
         return _OptimizerTerms(12 * params / d, 4 * params, 2 * params + 6 * flat, 2 * params, 0.0)
     bucket, overlap = _reduce_bucket(config, world_size)
-    if kind == "zero":
+    if kind is OptimizerKind.ZERO:
         bucket_bytes = e * bucket * (2 if overlap else 1)
         # ZeRO 1 accumulates in its bucket, which then stays through the next micro-batch's forward
         bucket_held = config.parallel.zero_stage == 1 and config.grad_accumulation_steps(world_size) > 1
@@ -331,7 +318,7 @@ def memory_estimate(config: Config, world_size: int, device: str = "cuda") -> Me
     accumulation = max(config.grad_accumulation_steps(world_size), 1)
     zero, e = par.zero_stage, element_bytes(config)
     s, b = config.data.seq_len, config.train.micro_batch_size
-    kind = deepspeed_optimizer(config)
+    kind = optimizer_kind(config)
     largest = largest_tensor_elements(model, tp)
     loss_kept, loss_forward, loss_backward = _loss_terms(config, device)
     stages = []

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lnstrain.config.feasibility import world_size_problems
+from lnstrain.parallel.config import ParallelConfig
+
 logger = logging.getLogger(__name__)
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None when the axis has size 1
@@ -64,18 +67,9 @@ class RankLayout:
 
 
 def layout_problems(world_size: int, tensor: int, pipeline: int) -> list[str]:
-    """Problems with a requested layout, found before any process group exists."""
-    problems = []
-    if tensor < 1:
-        problems.append(f"parallel.tensor must be >= 1 (got {tensor})")
-    if pipeline < 1:
-        problems.append(f"parallel.pipeline must be >= 1 (got {pipeline})")
-    if tensor >= 1 and pipeline >= 1 and world_size % (tensor * pipeline) != 0:
-        problems.append(
-            f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline "
-            f"({tensor} × {pipeline} = {tensor * pipeline}); launch a multiple of {tensor * pipeline} "
-            f"ranks or change the layout")
-    return problems
+    """Problems with a requested layout, found before any process group exists: the config's own rules."""
+    own = ParallelConfig(tensor=tensor, pipeline=pipeline).validate()
+    return own + world_size_problems(world_size, tensor, pipeline)
 
 
 def collective_device(group: ProcessGroup = None) -> torch.device:

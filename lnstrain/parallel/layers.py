@@ -123,7 +123,7 @@ class ColumnParallelLinear(ShardedWeightLayer):
         """Sharded parts: every rank's gradient counts. Replicated parts only (separate k and v
         projections): the first holder's of each copy. A weight mixing both (fused q, k, v with
         replicated k, v) has no exact per-parameter answer: every rank counts it, so its replicated
-        rows are counted `copies` times (``training.engine.layout_problems`` refuses that with clipping)."""
+        rows are counted `copies` times (``config.feasibility.layout_problems`` refuses that with clipping)."""
         tp = self.groups.tp_size
         if tp == 1:
             return False

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config, fp16_loss_scaling_problem
-from lnstrain.config.loader import ConfigError
+from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.feasibility import check_layout, optimizer_kind, overcounted_kv_rows
 from lnstrain.config.run_config import Config
 from lnstrain.model.block import TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
@@ -47,49 +47,6 @@ class StepResult:
     skipped: bool
 
 
-def layout_problems(config: Config, world_size: int) -> list[str]:
-    """Everything that would make the engine fail or hang, found before any group or engine exists.
-
-    The data section is not checked here (the engine never reads files); the trainer checks it.
-    """
-    problems = config.model.validate(tensor_parallel=max(config.parallel.tensor, 1))
-    for section in (config.parallel, config.optim, config.train, config.precision):
-        problems += section.validate()
-    problems += config.cross_section_problems(world_size)
-    if bf16_accumulation_problem(config, world_size):
-        problems.append(bf16_accumulation_problem(config, world_size))
-    if fp16_loss_scaling_problem(config):
-        problems.append(fp16_loss_scaling_problem(config))
-    if _overcounted_kv_rows(config) and not _clips_itself(config):
-        problems.append(_overcounted_kv_rows(config) + " Set model.fused_qkv: false (separate projections "
-                        "are counted exactly) or optim.grad_clip: 0")
-    return problems
-
-
-def _overcounted_kv_rows(config: Config) -> str:
-    """Why the clipping norm would overcount replicated key/value rows; empty when it would not."""
-    parallel, model = config.parallel, config.model
-    if not (parallel.tensor > 1 and model.fused_qkv and model.kv_heads < parallel.tensor
-            and config.optim.grad_clip > 0):
-        return ""
-    return (f"model.fused_qkv with model.num_kv_heads ({model.kv_heads}) < parallel.tensor ({parallel.tensor}) "
-            "puts sharded query rows and replicated key/value rows in one parameter; a gradient norm counts "
-            "a parameter on every tensor rank or on one, so the key/value rows are counted "
-            f"{parallel.tensor // model.kv_heads} times in the clipping norm.")
-
-
-def _clips_itself(config: Config) -> bool:
-    """fp32 without ZeRO: lnstrain clips (``GradClipHook``), DeepSpeed's norm there being wrong."""
-    return config.parallel.zero_stage == 0 and config.precision.dtype == "fp32"
-
-
-def check_layout(config: Config, world_size: int) -> None:
-    """Raise ``ConfigError`` listing every layout problem (call before building process groups)."""
-    problems = layout_problems(config, world_size)
-    if problems:
-        raise ConfigError(problems, "parallel layout")
-
-
 def _check_groups_match(config: Config, groups: ParallelGroups, world_size: int) -> None:
     expected = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
     actual = (groups.tp_size, groups.pp_size, groups.dp_size)
@@ -111,10 +68,8 @@ def _build_module(config: Config, groups: ParallelGroups) -> nn.Module:
     return model
 
 
-def _deepspeed_json(config: Config, world_size: int, own_clipping: bool) -> dict[str, Any]:
+def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:
     ds_config = deepspeed_config(config, world_size)
-    if own_clipping:
-        ds_config["gradient_clipping"] = 0.0
     if config.parallel.pipeline > 1 and config.parallel.sequence_parallel:
         # DeepSpeed's pipe engine sends 1/tp of each activation and all-gathers it, which assumes
         # the tensor ranks hold the same activation; under sequence parallelism they do not.
@@ -148,8 +103,8 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
 
     logger.info("building the model (%d layers, hidden size %d, %s) and the DeepSpeed engine",
                 config.model.num_layers, config.model.hidden_size, config.model.norm_scheme.value)
-    if _overcounted_kv_rows(config):  # refused elsewhere; kept on this path for existing runs
-        logger.warning("%s Set model.fused_qkv: false for an exact norm.", _overcounted_kv_rows(config))
+    if overcounted_kv_rows(config):  # refused where DeepSpeed clips; kept where lnstrain does, for existing runs
+        logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
     module = _build_module(config, groups).to(training_device())  # before the optimizer picks its kernel
     if config.train.compile:
         logger.info("train.compile: torch.compile compiles each transformer block during the first step")
@@ -160,11 +115,11 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
                                 decay=config.optim.decay)
-    own_clipping = _clips_itself(config)
+    own_clipping = optimizer_kind(config).lnstrain_clips
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         mpu=groups if groups.pp_size == 1 else None,
-        config=_deepspeed_json(config, world_size, own_clipping))
+        config=_deepspeed_json(config, world_size))
     logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
                 groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
                 config.precision.dtype, engine.gradient_accumulation_steps())

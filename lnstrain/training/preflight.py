@@ -175,9 +175,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     their defaults; problems that name them are left out).
     """
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
-    from lnstrain.training.engine import layout_problems
 
-    problems = list(dict.fromkeys(config.validate(world_size) + layout_problems(config, world_size)))
+    problems = config.validate(world_size)
     if not problems:  # DeepSpeed's own parser needs a consistent layout (it divides by it)
         problems += deepspeed_config_problems(config, world_size)
     problems += device_problems(config, local_rank)

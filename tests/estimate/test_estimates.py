@@ -113,7 +113,8 @@ def test_activation_formula_and_checkpointing_modes():
 
 def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
     from lnstrain.config.deepspeed_json import zero_bucket_elements
-    from lnstrain.estimate.memory import deepspeed_optimizer, largest_tensor_elements
+    from lnstrain.config.feasibility import optimizer_kind
+    from lnstrain.estimate.memory import largest_tensor_elements
 
     def stage(zero: int, deepspeed: dict | None = None, **precision):
         config = run_config({"preset": "130m"}, {"zero_stage": zero})
@@ -124,18 +125,18 @@ def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
     config, zero0 = stage(0)
     params = zero0.parameters
     largest = largest_tensor_elements(config.model, 1)
-    assert deepspeed_optimizer(config) == "fp16_unfused" and zero0.persistent_buffers == 0
+    assert optimizer_kind(config) == "fp16_unfused" and zero0.persistent_buffers == 0
     assert zero0.step == 6 * params  # bf16 .grad and an fp32 copy of each
     config, zero1 = stage(1)
-    assert deepspeed_optimizer(config) == "bf16_optimizer" and zero1.persistent_buffers == 4 * params
+    assert optimizer_kind(config) == "bf16_optimizer" and zero1.persistent_buffers == 4 * params
     config, zero2 = stage(2)
     bucket = zero_bucket_elements(config)
-    assert deepspeed_optimizer(config) == "zero" and bucket == -(-params // 2**20) * 2**20  # capped at the model
+    assert optimizer_kind(config) == "zero" and bucket == -(-params // 2**20) * 2**20  # capped at the model
     assert zero2.gradients == pytest.approx(2 * params + 2 * bucket + 4 * params / 8 + 4 * largest)
     _, overlapped = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": True}})
     assert overlapped.gradients - zero2.gradients == pytest.approx(2 * 2 * 50_000_000 - 2 * bucket)  # two buckets
     config, fp32_zero1 = stage(1, dtype="fp32")
-    assert deepspeed_optimizer(config) == "zero" and fp32_zero1.optimizer == pytest.approx(12 * params / 8)
+    assert optimizer_kind(config) == "zero" and fp32_zero1.optimizer == pytest.approx(12 * params / 8)
     assert fp32_zero1.gradients == pytest.approx(4 * params + 4 * bucket)  # full .grad + the fp32 bucket
     # ZeRO 1 accumulates the micro-batches (8 here) in its bucket, which then lives through the forwards
     assert fp32_zero1.accumulated_gradients == 4 * params + 4 * bucket and fp32_zero1.backward_buffers == 0
@@ -143,7 +144,7 @@ def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
     one_micro_batch = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=64))
     assert memory_estimate(one_micro_batch, 8).heaviest.backward_buffers == 4 * bucket  # allocated as backward starts
     config, zero3 = stage(3)
-    assert deepspeed_optimizer(config) == "zero3" and zero3.gathered_weights == 2 * params
+    assert optimizer_kind(config) == "zero3" and zero3.gathered_weights == 2 * params
 
 
 def test_pipeline_buffers_hold_the_last_stages_logits_between_steps():

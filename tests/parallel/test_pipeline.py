@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from lnstrain.config.feasibility import check_layout, layout_problems
 from lnstrain.config.loader import ConfigError
 from lnstrain.model import EmbeddingStage, OutputStage, TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.parallel.pipeline import FinalNormStage, PipelineLoss, explicit_parts, layer_specs
-from lnstrain.training.engine import build_engine, check_layout, layout_problems
+from lnstrain.training.engine import build_engine
 from tests.parallel.layouts import Layout, make_config
 
 SINGLE = ParallelGroups.single_process()

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from lnstrain.config.deepspeed_json import bf16_accumulation_problem, deepspeed_config, fp16_loss_scaling_problem
+from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.feasibility import bf16_accumulation_problem, fp16_loss_scaling_problem, layout_problems
 from lnstrain.testing.distributed import run_distributed
-from lnstrain.training.engine import layout_problems
 from lnstrain.training.optimizer import adam_kernel
 from tests.parallel.layouts import GLOBAL_BATCH, Layout, global_batch, make_config, rank_micro_batches
 

@@ -1,0 +1,94 @@
+"""Whether a config can run (``lnstrain.config.feasibility``): the optimizer DeepSpeed wraps ours in for each
+precision × ZeRO × pipeline, who clips, and a launch's list of problems naming each problem once."""
+
+import pytest
+
+from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.feasibility import OptimizerKind, asks_fp32_accumulation, optimizer_kind, world_size_problems
+from lnstrain.config.run_config import config_from_dict, read_config
+from lnstrain.estimate.memory import memory_estimate
+from lnstrain.parallel.groups import layout_problems as group_layout_problems
+from lnstrain.training import preflight
+
+TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 16},
+        "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": 10}}
+
+NONE, FP16_UNFUSED, BF16_OPTIMIZER = OptimizerKind.NONE, OptimizerKind.FP16_UNFUSED, OptimizerKind.BF16_OPTIMIZER
+ZERO, ZERO3 = OptimizerKind.ZERO, OptimizerKind.ZERO3
+# (zero stage, pipeline) -> the optimizer DeepSpeed 0.19 wraps ours in, per precision (ZeRO 2/3 take no pipeline)
+LAYOUTS = [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (3, 1)]
+EXPECTED = {
+    ("fp32", True): [NONE, NONE, ZERO, ZERO, ZERO, ZERO3],
+    ("bf16", True): [FP16_UNFUSED, BF16_OPTIMIZER, BF16_OPTIMIZER, BF16_OPTIMIZER, ZERO, ZERO3],
+    ("bf16", False): [FP16_UNFUSED, BF16_OPTIMIZER, ZERO, ZERO, ZERO, ZERO3],
+    ("fp16", True): [FP16_UNFUSED, FP16_UNFUSED, ZERO, ZERO, ZERO, ZERO3],
+}
+CASES = [(dtype, accum, zero, pipeline, kinds[index]) for (dtype, accum), kinds in EXPECTED.items()
+         for index, (zero, pipeline) in enumerate(LAYOUTS)]
+
+
+def _config(dtype: str, fp32_grad_accum: bool, zero_stage: int, pipeline: int, **sections):
+    return config_from_dict({**TINY, "precision": {"dtype": dtype, "fp32_grad_accum": fp32_grad_accum},
+                             "parallel": {"zero_stage": zero_stage, "pipeline": pipeline}, **sections})
+
+
+@pytest.mark.parametrize("dtype, fp32_grad_accum, zero_stage, pipeline, expected", CASES)
+def test_optimizer_kind_across_precision_zero_and_pipeline(dtype, fp32_grad_accum, zero_stage, pipeline, expected):
+    config = _config(dtype, fp32_grad_accum, zero_stage, pipeline)
+    kind = optimizer_kind(config)
+    assert kind is expected
+    assert kind.lnstrain_clips == (dtype == "fp32" and zero_stage == 0)
+    # the DeepSpeed JSON and the memory estimate read the same answer
+    ds = deepspeed_config(config, world_size=pipeline)
+    assert ds["gradient_clipping"] == (0.0 if kind.lnstrain_clips else config.optim.grad_clip)
+    assert ("data_types" in ds) == asks_fp32_accumulation(config) == (dtype == "bf16" and fp32_grad_accum
+                                                                      and zero_stage > 0)
+    assert memory_estimate(config, world_size=pipeline).optimizer_kind is kind
+
+
+def test_deepspeed_clips_nowhere_lnstrain_does_even_if_the_pass_through_asks():
+    clipped_twice = _config("fp32", True, 0, 1, deepspeed={"gradient_clipping": 0.5})
+    assert deepspeed_config(clipped_twice, world_size=1)["gradient_clipping"] == 0.0
+    zero1 = _config("fp32", True, 1, 1, deepspeed={"gradient_clipping": 0.5})
+    assert deepspeed_config(zero1, world_size=1)["gradient_clipping"] == 0.5
+
+
+def test_the_world_size_rule_is_the_same_for_the_config_and_the_process_groups():
+    [problem] = world_size_problems(6, 4, 1)
+    assert problem == "world size 6 is not divisible by parallel.tensor × parallel.pipeline (4 × 1); launch a " \
+                      "multiple of 4 ranks"
+    assert group_layout_problems(6, 4, 1) == [problem]
+    assert problem in config_from_dict({**TINY, "parallel": {"tensor": 4}}).validate(world_size=6)
+
+
+FP16_ZERO0 = "precision.dtype fp16 with parallel.zero_stage 0"
+BF16_ACCUMULATION = "precision.dtype bf16 with precision.fp32_grad_accum and parallel.zero_stage 0 accumulates"
+OVERCOUNT = "model.fused_qkv with model.num_kv_heads (1) < parallel.tensor (2)"
+WORLD = "world size 3 is not divisible by parallel.tensor × parallel.pipeline (2 × 1)"
+SEQ_LEN = "data.seq_len (32) exceeds model.max_seq_len (16)"
+SOURCES = "data.sources is empty"
+BATCH = "train.global_batch_size (8) must be divisible by"
+
+
+@pytest.mark.parametrize("sections, world_size, expected", [
+    ({"precision": {"dtype": "fp16"}, "parallel": {"tensor": 2, "zero_stage": 0},
+      "model": {"preset": "tiny", "num_kv_heads": 1}, "data": {"seq_len": 32}},
+     3, [FP16_ZERO0, OVERCOUNT, WORLD, SEQ_LEN, SOURCES]),
+    ({"precision": {"dtype": "bf16"}, "parallel": {"tensor": 2, "zero_stage": 0},
+      "model": {"preset": "tiny", "num_kv_heads": 1}, "train": {"global_batch_size": 8, "micro_batch_size": 2,
+                                                                "steps": 10}},
+     2, [BF16_ACCUMULATION, OVERCOUNT, SOURCES]),
+    ({"precision": {"dtype": "bf16"}, "parallel": {"zero_stage": 0}}, 3, [BATCH, SOURCES]),
+])
+def test_each_problem_appears_once_in_the_launchs_list(sections, world_size, expected, tmp_path):
+    typed = read_config({**TINY, **sections, "run": {"output_dir": str(tmp_path)}})
+    problems = preflight.run_problems(typed, world_size)
+    assert len(problems) == len(set(problems)), problems
+    for says in expected:
+        assert sum(says in problem for problem in problems) == 1, (says, problems)
+
+
+def test_rules_that_need_no_world_size_apply_without_one():
+    problems = _config("fp16", True, 0, 1).validate(check_files=False)
+    assert sum(FP16_ZERO0 in problem for problem in problems) == 1
+    assert not any("world size" in problem for problem in problems)
