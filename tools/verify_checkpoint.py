@@ -61,8 +61,8 @@ def describe(step_dir: Path) -> tuple[str, list[str]]:
     if not is_complete(step_dir):
         return "INCOMPLETE", [f"no {COMPLETE_MARKER} (its save was interrupted): resuming never reads it"]
     verdict = check_step_dir(step_dir)
-    if verdict.corrupt:
-        return "CORRUPT", verdict.corrupt + verdict.unsafe
+    if verdict.corrupt or verdict.altered:
+        return "CORRUPT", verdict.corrupt + verdict.altered + verdict.unsafe
     if verdict.unsafe:
         return "UNSAFE", verdict.unsafe + ["resuming refuses it unless the checkpoint is trusted (--allow-pickle)"]
     if not verdict.recorded:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lnstrain.checkpoint.engine_hooks import replaced
-from lnstrain.checkpoint.metadata import COMPLETE_MARKER
+from lnstrain.checkpoint.metadata import COMPLETE_MARKER, RNG_DIR
 from lnstrain.checkpoint.safe_load import unsafe_globals
 
 CHECKSUM = "sha256"
@@ -166,13 +166,16 @@ def read_manifest(step_dir: str | os.PathLike) -> dict[str, FileRecord] | None:
 
 
 # --- checking files ---------------------------------------------------------------------------------
-def file_problem(step_dir: Path, name: str, record: FileRecord) -> str | None:
-    """Why ``step_dir/name`` is not what its save wrote (missing, other size, other bytes), or None."""
+def file_problem(step_dir: Path, name: str, record: FileRecord, checksum: bool = True) -> str | None:
+    """Why ``step_dir/name`` is not what its save wrote (missing, other size, other bytes; the bytes
+    only with ``checksum``), or None."""
     path = step_dir / name
     try:
         size = path.stat().st_size
         if size != record.size:
             return f"{path}: {size} bytes, but its save wrote {record.size} (truncated or overwritten)"
+        if not checksum:
+            return None
         found = file_record(path, record.rank)
     except FileNotFoundError:
         return f"{path}: missing (its save wrote it)"
@@ -203,7 +206,11 @@ class Verdict:
     corrupt: list[str] = field(default_factory=list)
     """Missing, truncated, altered or unreadable files (one line each, naming the file)."""
     unsafe: list[str] = field(default_factory=list)
-    """Files whose pickle names classes beyond the allow-list (loading them could run code)."""
+    """DeepSpeed's files whose pickle names classes beyond the allow-list (loading them could run code;
+    ``checkpoint.allow_pickle`` loads them for a trusted checkpoint)."""
+    altered: list[str] = field(default_factory=list)
+    """lnstrain's own files (RNG state) whose pickle names classes beyond tensors: lnstrain never
+    writes such a file, so it was altered after its save, and no opt-in loads it."""
     recorded: bool = True
     """False: the marker predates file records; sizes and contents could not be checked."""
     files: int = 0
@@ -211,11 +218,12 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt and not self.unsafe
+        return not self.corrupt and not self.unsafe and not self.altered
 
     def merge(self, other: "Verdict") -> None:
         self.corrupt += other.corrupt
         self.unsafe += other.unsafe
+        self.altered += other.altered
         self.files += other.files
         self.bytes += other.bytes
         self.recorded = self.recorded and other.recorded
@@ -226,12 +234,13 @@ def _files_on_disk(step_dir: Path) -> list[str]:
                   if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith("."))
 
 
-def check_step_dir(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> Verdict:
+def check_step_dir(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1), checksums: bool = True) -> Verdict:
     """Check ``step_dir``'s files against its completion marker, and scan its ``.pt`` files' pickles.
 
     ``share`` = (rank, world size): check only this rank's share of the files, each file on the rank
     that wrote it when that rank exists (its page cache may still hold it), else spread by position.
-    Every rank calls it with its share and the verdicts are merged (``Verdict.merge``).
+    Every rank calls it with its share and the verdicts are merged (``Verdict.merge``). Without
+    ``checksums`` files are compared by size only (``checkpoint.verify_checksums: false``).
     """
     step_dir = Path(step_dir)
     rank, world_size = share
@@ -252,12 +261,15 @@ def check_step_dir(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1))
         if owner != rank:
             continue
         if manifest is not None:
-            problem = file_problem(step_dir, name, manifest[name])
+            problem = file_problem(step_dir, name, manifest[name], checksums)
             if problem:
                 verdict.corrupt.append(problem)
             verdict.bytes += manifest[name].size
         verdict.files += 1
         unsafe = unsafe_problem(step_dir / name) if (step_dir / name).is_file() else None
-        if unsafe:
+        if unsafe and name.startswith(f"{RNG_DIR}/"):
+            verdict.altered.append(f"{unsafe}; lnstrain writes only tensors there, so the file was altered "
+                                   "after its save, and no opt-in loads it")
+        elif unsafe:
             verdict.unsafe.append(unsafe)
     return verdict

@@ -179,11 +179,11 @@ def _gather(value: Any) -> list[Any]:
     return everyone
 
 
-def verify_collectively(step_dir: Path) -> Verdict:
+def verify_collectively(step_dir: Path, checksums: bool = True) -> Verdict:
     """``check_step_dir`` of ``step_dir``, each rank checking a share of its files; every rank gets the
     same merged verdict (collective)."""
     verdict = Verdict(step_dir)
-    for share in _gather(check_step_dir(step_dir, (_global_rank(), _world_size()))):
+    for share in _gather(check_step_dir(step_dir, (_global_rank(), _world_size()), checksums)):
         verdict.merge(share)
     return verdict
 
@@ -305,7 +305,11 @@ class CheckpointManager:
             candidates += [p for p in reversed(complete_step_dirs(step_dir.parent)) if step_of(p) < step_of(step_dir)]
         skipped: list[str] = []
         for candidate in candidates:
-            verdict = verify_collectively(candidate)
+            verdict = verify_collectively(candidate, self.config.checkpoint.verify_checksums)
+            if verdict.altered:
+                raise CheckpointError(f"cannot resume from {candidate}: files were altered to hold more than "
+                                      "tensors, so nothing was loaded:\n  - " + "\n  - ".join(verdict.altered)
+                                      + f"\nDelete {candidate} to resume from the checkpoint before it.")
             if verdict.unsafe and not self.config.checkpoint.allow_pickle:
                 raise CheckpointError(f"cannot resume from {candidate}: loading it could run code stored in it, "
                                       "so nothing was loaded:\n  - " + "\n  - ".join(verdict.unsafe)

@@ -107,10 +107,13 @@ def test_a_payload_in_any_file_never_runs(tiny_corpus, tmp_path, zero_stage):
         if name == "zero_to_fp32":
             assert "builtins.eval" in verified and path in verified, verified
             continue
-        assert f"{path}: its pickle names builtins.eval" in verified and "--allow-pickle" in verified, verified
+        assert f"{path}: its pickle names builtins.eval" in verified, verified
         assert path in loaded, loaded
-        if not name.startswith("rng/"):  # lnstrain's own files are refused whatever the opt-in
-            assert "--allow-pickle" in loaded, loaded
+        if name.startswith("rng/"):  # lnstrain's own files are refused whatever the opt-in: none is offered
+            assert "the file was altered after its save, and no opt-in loads it" in verified, verified
+            assert "--allow-pickle" not in verified + loaded, (verified, loaded)
+        else:
+            assert "--allow-pickle" in verified and "--allow-pickle" in loaded, (verified, loaded)
     assert not result["payload_ran"]
 
 
