@@ -32,6 +32,12 @@ class CheckpointConfig:
             Adam moments, which only ZeRO-1/2 checkpoints give back; set this to resume a ZeRO-0/3
             checkpoint at another layout with the weights, schedule and data position and fresh
             (zero) optimizer moments.
+        allow_pickle: trust this run's checkpoints: load DeepSpeed's files even where their pickle
+            names classes beyond the allow-list (``--allow-pickle``; docs/checkpoints.md).
+        verify_checksums: on resume, compare every file's SHA-256 with what its save recorded (one
+            extra read of the checkpoint before loading it). ``false`` checks sizes and the pickle
+            scan only: for very large checkpoints on a slow file system, at the price of loading a
+            file whose bytes changed but not its size.
     """
 
     dir: str | None = None
@@ -45,6 +51,7 @@ class CheckpointConfig:
     init_from_unfold_lns: bool | None = None
     reshard_with_fresh_optimizer: bool = False
     allow_pickle: bool = False
+    verify_checksums: bool = True
 
     def validate(self) -> list[str]:
         problems = []

@@ -44,7 +44,8 @@ def restore_or_start(config: Config, engine: TrainingEngine,
         return TrainingPosition(), None
     named = step_dir
     explicit_step = step_of(Path(config.checkpoint.resume)) is not None
-    logger.info("verifying checkpoint %s", step_dir)
+    logger.info("verifying checkpoint %s%s", step_dir, "" if config.checkpoint.verify_checksums else
+                " (sizes and pickles only: checkpoint.verify_checksums is false)")
     step_dir, skipped = checkpoints.verified_checkpoint(step_dir, fall_back=not explicit_step)
     if step_dir is None:
         what = (f"{named} does not hold what its save wrote; pick another global_step<N> "

@@ -67,6 +67,22 @@ def test_check_names_each_changed_file(tmp_path):
     assert check_step_dir(step_dir).corrupt[0].startswith(f"{step_dir / COMPLETE_MARKER}: cannot be read")
 
 
+def test_without_checksums_only_sizes_and_pickles_are_checked(tmp_path):
+    """checkpoint.verify_checksums: false skips the extra read, and says what it gives up: same-size damage."""
+    step_dir = recorded_checkpoint(tmp_path, 2)
+    shard0, shard1 = (step_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    overwrite_middle(shard0)
+    assert check_step_dir(step_dir, checksums=False).ok
+    assert [line.split(":")[0] for line in check_step_dir(step_dir).corrupt] == [str(shard0)]
+    truncate(shard1)
+    assert [line.split(":")[0] for line in check_step_dir(step_dir, checksums=False).corrupt] == [str(shard1)]
+    torch.save({**STATE, "rank": 1}, shard1)
+    plant(shard1, Payload(tmp_path / "payload_ran"))
+    rerecord(step_dir, shard1.name)
+    assert [line.split(":")[0] for line in check_step_dir(step_dir, checksums=False).unsafe] == [str(shard1)]
+    assert not (tmp_path / "payload_ran").exists()
+
+
 def test_each_file_is_checked_once_by_the_rank_that_wrote_it(tmp_path):
     step_dir = recorded_checkpoint(tmp_path, 2)
     for rank in range(2):
