@@ -53,6 +53,13 @@ def restore_or_start(config: Config, engine: TrainingEngine,
                 f"no checkpoint in {named.parent} holds what its save wrote; restore the files, or start a new "
                 "run (another run.name, or checkpoint.resume: none)")
         raise CheckpointError(f"cannot resume: {what}:\n  - " + "\n  - ".join(skipped))
+    if step_dir != named:  # the pre-launch check compared the model with the one named, not this one
+        from lnstrain.training.preflight import model_mismatch_problems
+
+        problems = model_mismatch_problems(config, step_dir)
+        if problems:
+            raise _cannot_resume([f"{named} failed verification, and the newest older checkpoint that verifies "
+                                  f"was saved with another model:", *problems])
     logger.info("loading checkpoint %s", step_dir)
     return load_checkpoint(config, engine, checkpoints, step_dir), step_dir
 

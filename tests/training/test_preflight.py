@@ -214,3 +214,32 @@ def test_directories_placed_by_an_unreadable_key_are_not_created(tiny_corpus, tm
             "model": {"preset": "tiny", "vocab_size": 256}, "precision": {"dtype": "fp32"}, "run": {"output_dir": [1]}}
     assert preflight.run_problems(read_config(data), world_size=1) == ["run.output_dir: expected a string, got [1]"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fallback_to_a_checkpoint_of_another_model_is_refused_before_loading(tiny_corpus, tmp_path):
+    """The pre-launch check compares the model with the checkpoint ``latest`` names; when that one fails
+    verification, the older checkpoint the resume falls back to is compared too (not DeepSpeed's size
+    mismatch traceback)."""
+    import yaml
+
+    from lnstrain.checkpoint.errors import CheckpointError
+    from lnstrain.training.resume import restore_or_start
+    from tests.checkpoint.test_manager import fake_checkpoint
+
+    config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
+    model = config.to_dict()["model"]
+    older = fake_checkpoint(config.checkpoint_dir, 2, config_yaml=yaml.safe_dump(
+        {"model": {**model, "hidden_size": 2 * model["hidden_size"]}}))
+    newer = fake_checkpoint(config.checkpoint_dir, 4, config_yaml=yaml.safe_dump({"model": model}))
+    assert preflight.resume_problems(config, compare_data=False) == []
+
+    class FallingBack:
+        def verified_checkpoint(self, step_dir, fall_back):
+            assert step_dir == newer and fall_back
+            return older, [f"{newer}/mp_rank_00_model_states.pt: truncated"]
+
+    with pytest.raises(CheckpointError) as refused:
+        restore_or_start(config, engine=None, checkpoints=FallingBack())
+    assert (f"{newer} failed verification, and the newest older checkpoint that verifies was saved with another "
+            f"model:\n  - model.hidden_size is {model['hidden_size']} but the checkpoint {older} has "
+            f"{2 * model['hidden_size']}") in str(refused.value)
