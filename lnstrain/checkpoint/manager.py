@@ -188,6 +188,13 @@ def verify_collectively(step_dir: Path, checksums: bool = True) -> Verdict:
     return verdict
 
 
+def _bf16_optimizer_without_zero(deepspeed_engine: Any) -> bool:
+    """DeepSpeed's ``BF16_Optimizer`` at ZeRO stage 0 (bf16 with pipeline parallelism)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(deepspeed_engine.optimizer, BF16_Optimizer) and not deepspeed_engine.zero_optimization()
+
+
 class CheckpointManager:
     """Saves and loads this run's checkpoints under ``config.checkpoint_dir``.
 
@@ -332,9 +339,16 @@ class CheckpointManager:
         """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
         metadata = read_metadata(step_dir)
         self.check_same_data(step_dir)
+        optimizer_in_partition_files = _bf16_optimizer_without_zero(deepspeed_engine)
         with loading_safely(deepspeed_engine, self.config.checkpoint.allow_pickle):
             load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
-                                                            load_optimizer_states=True, load_lr_scheduler_states=True)
+                                                            load_optimizer_states=not optimizer_in_partition_files,
+                                                            load_lr_scheduler_states=True)
+            if load_path is not None and optimizer_in_partition_files:
+                # DeepSpeed saves this optimizer's state (fp32 masters, Adam moments) in its per-rank
+                # partition files, but with ZeRO off reads it back from the model file, as one dict
+                # that its loader indexes by data-parallel rank (KeyError: 0): read the partition files.
+                deepspeed_engine._load_zero_checkpoint(str(step_dir.parent), step_dir.name, load_optimizer_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
         rank = _global_rank()

@@ -17,11 +17,12 @@ TOLERANCE = 1e-6
 OBSERVED = ["logging.tensorboard=true", "logging.depth_stats_interval=2"]
 
 
-def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
+def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: Path, layout: tuple[str, ...] = ()
+                         ) -> dict:
     from lnstrain.training.trainer import pretrain
 
     def config(name: str, *extra: str):
-        overrides = tiny_run_overrides(corpus, root / name) + WITH_DROPOUT + list(extra)
+        overrides = tiny_run_overrides(corpus, root / name) + WITH_DROPOUT + list(layout) + list(extra)
         return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
     # TensorBoard and depth statistics only on the straight run: they must not change its losses.
@@ -71,3 +72,12 @@ def test_resume_matches_uninterrupted_run_two_data_parallel_ranks(tiny_corpus, t
     results = run_distributed(straight_and_resumed, 2, tiny_corpus, tmp_path, timeout_s=300)
     check_resume(results[0], 2)
     assert results[0]["straight"].losses == results[1]["straight"].losses  # ranks agree
+
+
+@pytest.mark.multirank
+def test_resume_matches_uninterrupted_run_pipeline_bf16_without_zero(tiny_corpus, tmp_path):
+    """DeepSpeed's BF16_Optimizer at ZeRO 0 (what bf16 with pipeline stages uses) keeps its state in
+    per-rank partition files that DeepSpeed's own loader does not read at ZeRO 0 (KeyError: 0)."""
+    layout = ("parallel.pipeline=2", "precision.dtype=bf16", "parallel.zero_stage=0")
+    results = run_distributed(straight_and_resumed, 2, tiny_corpus, tmp_path, layout, timeout_s=400)
+    check_resume(results[0], 2)
