@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lnstrain.analysis.model_source import DepthModel
-from lnstrain.analysis.text_tokens import HFDocuments
+from lnstrain.analysis.text_tokens import HFDocuments, load_hf_tokenizer
 from lnstrain.checkpoint.lns_fold import RECORD_KEY
 
 logger = logging.getLogger(__name__)
@@ -99,18 +99,6 @@ def _transformers():
     except ImportError as e:
         raise ValueError(f"reading Hugging Face models needs transformers: {INSTALL_HINT} ({e})") from e
     return transformers
-
-
-def load_hf_tokenizer(path: str | Path) -> HFDocuments | None:
-    """The directory's tokenizer, or None when it has none that transformers can read."""
-    transformers = _transformers()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                                               trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
-        logger.info("%s: no tokenizer (%s)", path, e)
-        return None
-    return HFDocuments(tokenizer, f"the Hugging Face tokenizer of {path}")
 
 
 class HFDepthModel(DepthModel):

@@ -19,11 +19,14 @@ tokenizer that made them, piece by piece, with the model's.
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 from lnstrain.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class DocumentTokenizer(ABC):
@@ -112,12 +115,26 @@ class HFDocuments(DocumentTokenizer):
         return [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))]
 
 
+def load_hf_tokenizer(path: str | os.PathLike) -> HFDocuments | None:
+    """The directory's tokenizer, or None when it has none that transformers can read."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"reading a Hugging Face tokenizer needs transformers: pip install 'lnstrain[hf]' ({e})"
+                         ) from e
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                               trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        logger.info("%s: no tokenizer (%s)", path, e)
+        return None
+    return HFDocuments(tokenizer, f"the Hugging Face tokenizer of {path}")
+
+
 def load_data_tokenizer(path: str) -> DocumentTokenizer:
     """The tokenizer token files were made with: a sentencepiece .model, or a Hugging Face tokenizer
     directory (read with transformers, local files only)."""
     if os.path.isdir(path):
-        from lnstrain.analysis.hf_source import load_hf_tokenizer
-
         tokenizer = load_hf_tokenizer(path)
         if tokenizer is None:
             raise ValueError(f"{path}: no Hugging Face tokenizer in this directory")

@@ -35,7 +35,6 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_F
                                           step_dir_name, step_of, write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
-from lnstrain.checkpoint.write_errors import explains_write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +225,6 @@ class CheckpointManager:
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
             skipped_batches=position.skipped_batches)
 
-    @explains_write_failures  # no space, no permission: CheckpointWriteError names the path and the free space
     def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
 

@@ -8,7 +8,6 @@ everything), so the message can say what a rerun resumes from.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import shutil
 from pathlib import Path
@@ -88,23 +87,3 @@ def describe_write_failure(error: BaseException, step_dir: Path, previous: Path 
                      if previous is not None else "There is no earlier checkpoint of this run")
         lines[-1] += f" ({step_dir.name} is incomplete and is never resumed from; deleting it frees its space)."
     return " ".join(lines)
-
-
-def explains_write_failures(save: Callable[..., Path]) -> Callable[..., Path]:
-    """Wrap ``CheckpointManager.save`` so that a write failure raises ``CheckpointWriteError``."""
-
-    @functools.wraps(save)
-    def save_or_explain(manager: Any, deepspeed_engine: Any, position: Any) -> Path:
-        try:
-            return save(manager, deepspeed_engine, position)
-        except (OSError, RuntimeError) as error:
-            if isinstance(error, CheckpointWriteError) or not is_write_failure(error):
-                raise
-            from lnstrain.checkpoint.manager import newest_checkpoint
-            from lnstrain.checkpoint.metadata import step_dir_name
-
-            step_dir = Path(manager.directory) / step_dir_name(position.step)
-            raise CheckpointWriteError(describe_write_failure(error, step_dir, newest_checkpoint(manager.directory))
-                                       ) from error
-
-    return save_or_explain

@@ -13,6 +13,7 @@ from typing import Any
 from lnstrain.config.feasibility import asks_fp32_accumulation, optimizer_kind
 from lnstrain.config.loader import deep_merge
 from lnstrain.config.run_config import Config
+from lnstrain.estimate.parameters import largest_stage_parameters
 
 # DeepSpeed prints its own progress every N steps; lnstrain logs itself, so this is effectively never.
 _QUIET_STEPS = 2**31 - 1
@@ -31,8 +32,6 @@ def zero_bucket_elements(config: Config) -> int:
     A bucket that holds every gradient of the rank reduces them all at once either way, so capping it
     there changes no reduction and no number, only the memory.
     """
-    from lnstrain.estimate.memory import largest_stage_parameters
-
     held = largest_stage_parameters(config.model, config.parallel.tensor, config.parallel.pipeline,
                                     config.parallel.pipeline_boundaries)
     rounded = -(-held // _BUCKET_ROUNDING) * _BUCKET_ROUNDING

@@ -1,8 +1,4 @@
-"""Estimates made before a run exists: parameters, FLOPs, token budget, memory per rank."""
-
-from lnstrain.estimate.flops import FlopsPerToken, flops_per_token
-from lnstrain.estimate.memory import MemoryEstimate, memory_estimate
-from lnstrain.estimate.report import dry_run_report, dry_run_summary
-
-__all__ = ["FlopsPerToken", "MemoryEstimate", "dry_run_report", "dry_run_summary", "flops_per_token",
-           "memory_estimate"]
+"""Estimates made before a run exists: parameters per rank (``parameters``), FLOPs (``flops``), memory
+per rank (``memory``) and the dry-run report that combines them (``report``). Import the module you
+need: this package imports none of them, so the DeepSpeed JSON can use ``parameters`` while
+``report`` uses the DeepSpeed JSON."""

@@ -63,8 +63,8 @@ from dataclasses import dataclass
 
 from lnstrain.config.feasibility import OptimizerKind, optimizer_kind
 from lnstrain.config.run_config import Config
-from lnstrain.model.config import ModelConfig, NormScheme
-from lnstrain.model.norm_schemes import has_final_norm, norms_per_block
+from lnstrain.estimate.parameters import largest_tensor_elements, stage_layer_counts, stage_parameters
+from lnstrain.model.config import ModelConfig
 
 GIB = 1024**3
 CHECKPOINTING_MODES = ("none", "selective", "full")
@@ -162,53 +162,6 @@ class MemoryEstimate:
 
     def total_with(self, checkpointing: str) -> float:
         return max(st.total(checkpointing) for st in self.stages)
-
-
-def stage_layer_counts(num_layers: int, pipeline: int, boundaries: list[int] | None = None) -> list[int]:
-    """Transformer layers per stage: the explicit boundaries, else an even split (extra layers first)."""
-    if boundaries:
-        return list(boundaries)
-    base, extra = divmod(num_layers, pipeline)
-    return [base + (1 if stage < extra else 0) for stage in range(pipeline)]
-
-
-def layer_parameters_per_rank(model: ModelConfig, tensor: int) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
-    norm_size = model.hidden_size * (2 if model.norm_type == "layernorm" else 1)
-    final_norm = norm_size if has_final_norm(model.norm_scheme) else 0
-    per_layer = (model.num_parameters(include_embeddings=False) - final_norm) // model.num_layers
-    replicated = norms_per_block(model.norm_scheme) * norm_size
-    if model.norm_scheme == NormScheme.LAYERSCALE:
-        replicated += 2 * model.hidden_size
-    return (per_layer - replicated) // tensor + replicated
-
-
-def stage_parameters(model: ModelConfig, tensor: int, pipeline: int, stage: int, layers: int) -> int:
-    """Parameters held by one rank of ``stage``."""
-    embedding = model.padded_vocab_size(tensor) * model.hidden_size // tensor
-    norm_size = model.hidden_size * (2 if model.norm_type == "layernorm" else 1)
-    count = layers * layer_parameters_per_rank(model, tensor)
-    if stage == 0:
-        count += embedding
-    if stage == pipeline - 1:
-        count += norm_size if has_final_norm(model.norm_scheme) else 0
-        if not model.tie_embeddings or pipeline > 1:
-            count += embedding
-    return count
-
-
-def largest_stage_parameters(model: ModelConfig, tensor: int, pipeline: int,
-                             boundaries: list[int] | None = None) -> int:
-    """The most parameters any one rank holds (the heaviest stage's)."""
-    counts = stage_layer_counts(model.num_layers, pipeline, boundaries)
-    return max(stage_parameters(model, tensor, pipeline, stage, layers) for stage, layers in enumerate(counts))
-
-
-def largest_tensor_elements(model: ModelConfig, tensor: int) -> int:
-    """Elements of the largest parameter on one tensor rank (an embedding or a fused projection)."""
-    embedding = model.padded_vocab_size(tensor) * model.hidden_size // tensor
-    qkv = (model.hidden_size + 2 * model.kv_heads * model.head_dim) * model.hidden_size // tensor
-    return max(embedding, qkv, 2 * model.ffn_hidden_size * model.hidden_size // tensor)
 
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, tensor: int,

@@ -13,13 +13,23 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lnstrain.analysis.claims import deep_half_mean_delta_loss
 from lnstrain.analysis.plots import pyplot, file_stem
 
 if TYPE_CHECKING:
-    from lnstrain.study.depth import CheckpointAnalysis
+    from lnstrain.analysis.depth_analysis import DepthAnalysis
+    from lnstrain.study.plan import PlannedRun
+
+
+class CheckpointAnalysis(Protocol):
+    """One run's depth analysis at one checkpoint (``lnstrain.study.depth.CheckpointAnalysis``)."""
+
+    run: PlannedRun
+    step: int
+    tokens: int
+    analysis: DepthAnalysis
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pytest
 
 from lnstrain.config.loader import ConfigError
 from lnstrain.config.run_config import load_config
-from lnstrain.estimate import dry_run_report, dry_run_summary
+from lnstrain.estimate.report import dry_run_report, dry_run_summary
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

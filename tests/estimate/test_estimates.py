@@ -114,7 +114,7 @@ def test_activation_formula_and_checkpointing_modes():
 def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
     from lnstrain.config.deepspeed_json import zero_bucket_elements
     from lnstrain.config.feasibility import optimizer_kind
-    from lnstrain.estimate.memory import largest_tensor_elements
+    from lnstrain.estimate.parameters import largest_tensor_elements
 
     def stage(zero: int, deepspeed: dict | None = None, **precision):
         config = run_config({"preset": "130m"}, {"zero_stage": zero})
