@@ -123,6 +123,7 @@ def export_and_compare(cfg: ModelConfig, directory) -> None:
     dict(norm_scheme="lns_after_sublayer"),
     dict(norm_scheme="lns_after_sublayer", tie_embeddings=True, num_kv_heads=2),
     dict(norm_scheme="lns_gain_init", tie_embeddings=True, num_kv_heads=2),
+    dict(norm_scheme="mix_ln"),  # floor(0.25 * 3) = 0 Post-LN layers: every block is Pre-LN
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_export_reproduces_lnstrain_logits(case, tmp_path):
     export_and_compare(tiny_cfg(**case), tmp_path / "hf")
@@ -157,7 +158,7 @@ def test_export_writes_index_config_and_tokenizer(tmp_path, tiny_corpus):
     ("layerscale", "LayerScale multiplies each sublayer's output by a learned per-channel gain"),
 ])
 def test_export_refuses_schemes_llama_cannot_compute(scheme, reason):
-    cfg = tiny_cfg(norm_scheme=scheme)
+    cfg = tiny_cfg(norm_scheme=scheme, num_layers=8)  # Mix-LN: layers 1-2 Post-LN
     [problem] = export_problems(cfg)
     assert problem.startswith(f"model.norm_scheme={scheme} cannot be exported as a Hugging Face LLaMA: {reason}")
     with pytest.raises(ValueError, match=f"model.norm_scheme={scheme} cannot be exported"):
