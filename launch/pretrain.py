@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
 from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
-        logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / "tensorboard")
+        logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / TENSORBOARD_DIR)
     import torch.distributed as dist
 
     if dist.is_initialized():
