@@ -142,9 +142,9 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     collective that waits longer than ``timeout_minutes`` raises (``train.collective_timeout_minutes``).
     A rendezvous port in use stops this rank with a one-line error (exit 2)."""
     if "RANK" not in os.environ:
-        from lnstrain.testing.distributed import distributed_env, free_port
+        from lnstrain.parallel.local_ranks import single_rank_env
 
-        os.environ.update(distributed_env(0, 1, free_port()))
+        os.environ.update(single_rank_env())
     import torch
 
     from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm, name_cpu_accelerator_if_no_cuda

@@ -1,7 +1,7 @@
 """The training loop: data -> engine steps -> logging, evaluation, checkpoints, clean stops.
 
 ``pretrain(config, world_size)`` runs on every rank after ``torch.distributed`` is initialised (the
-launcher does that; tests use ``lnstrain.testing.run_distributed``). The data position is the global
+launcher does that; tests use ``lnstrain.parallel.local_ranks.run_distributed``). The data position is the global
 number of consumed samples: step ``s`` always trains on global batch ``s`` of the training set, so
 a resumed run sees exactly the batches the uninterrupted run would have seen.
 """
