@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from lnstrain.checkpoint.consolidated_file import load_init_state_dict, save_consolidated
 from lnstrain.checkpoint.hf_io import load_hf_llama_state_dict, read_hf_tensors, save_hf_checkpoint
-from lnstrain.checkpoint.hf_llama import export_problems, to_hf_state_dict
+from lnstrain.checkpoint.hf_exportable import export_problems
+from lnstrain.checkpoint.hf_llama import to_hf_state_dict
 from lnstrain.checkpoint.lns_fold import UNFOLDED_WEIGHTS_FILE
 from lnstrain.checkpoint.sharding import StateDictMismatchError, apply_full_state_dict
 from lnstrain.model import ModelConfig, Transformer

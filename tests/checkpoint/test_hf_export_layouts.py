@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lnstrain.checkpoint.hf_io import load_hf_llama_state_dict, save_hf_checkpoint
-from lnstrain.checkpoint.hf_llama import export_problems, from_hf_state_dict, to_hf_state_dict
+from lnstrain.checkpoint.hf_exportable import export_problems
+from lnstrain.checkpoint.hf_llama import from_hf_state_dict, to_hf_state_dict
 from lnstrain.checkpoint.lns_fold import NORM_GAINS, SUBLAYER_OUTPUTS, UNFOLDED_WEIGHTS_FILE
 from lnstrain.model import block, norm_schemes
 from lnstrain.model.config import NormScheme
