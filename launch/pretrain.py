@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
 from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
@@ -143,9 +144,9 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     collective that waits longer than ``timeout_minutes`` raises (``train.collective_timeout_minutes``).
     A rendezvous port in use stops this rank with a one-line error (exit 2)."""
     if "RANK" not in os.environ:
-        from lnstrain.testing.distributed import distributed_env, free_port
+        from lnstrain.parallel.local_ranks import single_rank_env
 
-        os.environ.update(distributed_env(0, 1, free_port()))
+        os.environ.update(single_rank_env())
     import torch
 
     from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm, name_cpu_accelerator_if_no_cuda
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
-        logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / "tensorboard")
+        logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / TENSORBOARD_DIR)
     import torch.distributed as dist
 
     if dist.is_initialized():

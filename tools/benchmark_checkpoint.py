@@ -60,9 +60,9 @@ def timed(action) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from lnstrain.testing.distributed import distributed_env, free_port
+    from lnstrain.parallel.local_ranks import single_rank_env
 
-    os.environ.update(distributed_env(0, 1, free_port()))
+    os.environ.update(single_rank_env())
     from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm, name_cpu_accelerator_if_no_cuda
 
     name_cpu_accelerator_if_no_cuda()

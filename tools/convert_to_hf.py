@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.checkpoint.command_line import open_checkpoint_from_command_line  # noqa: E402
 from lnstrain.checkpoint.hf_io import save_hf_checkpoint  # noqa: E402
-from lnstrain.checkpoint.hf_llama import export_problems  # noqa: E402
+from lnstrain.checkpoint.hf_exportable import export_problems  # noqa: E402
 from lnstrain.checkpoint.layouts import read_full_state  # noqa: E402
 
 

@@ -34,10 +34,11 @@ from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 def step_dirs_of(path: Path) -> list[Path]:
     """The ``global_step<N>`` directories ``path`` names: itself, those in it, or those in its ``checkpoints/``."""
     from lnstrain.checkpoint.metadata import step_of
+    from lnstrain.run_files import CHECKPOINTS_DIR
 
     if step_of(path) is not None:
         return [path]
-    for directory in (path, path / "checkpoints"):
+    for directory in (path, path / CHECKPOINTS_DIR):
         if directory.is_dir():
             found = [p for p in directory.iterdir() if p.is_dir() and step_of(p) is not None]
             if found:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from lnstrain.config.loader import from_dict  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
+from lnstrain.run_files import JOB_SCRIPT, SLURM_OUTPUT  # noqa: E402
 from lnstrain.study.slurm import render_sbatch, submit  # noqa: E402
 from lnstrain.study.spec import ClusterProfile  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
@@ -54,7 +55,7 @@ def main() -> int:
         sys.stdout.write(script)
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens --output there before the script runs
-    path = run_dir / "job.sbatch"
+    path = run_dir / JOB_SCRIPT
     path.write_text(script)
     try:
         job_ids = submit(path, cluster.slurm.chain_jobs)
@@ -63,7 +64,7 @@ def main() -> int:
         return 1
     chain = f" (a chain of {len(job_ids)}, each after the one before)" if len(job_ids) > 1 else ""
     print(f"submitted {path}: job{'s' * (len(job_ids) > 1)} {' '.join(job_ids)}{chain}; "
-          f"output in {run_dir}/slurm-<job id>.out")
+          f"output in {run_dir / SLURM_OUTPUT.replace('%j', '<job id>')}")
     return 0
 
 

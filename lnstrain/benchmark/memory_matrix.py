@@ -16,7 +16,7 @@ import torch
 
 from lnstrain.config.run_config import Config, load_config
 from lnstrain.estimate.memory import GIB, memory_estimate
-from lnstrain.testing.distributed import run_distributed
+from lnstrain.parallel.local_ranks import run_distributed
 
 
 @dataclass(frozen=True)

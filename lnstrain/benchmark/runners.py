@@ -75,9 +75,9 @@ def ensure_process_group(device: torch.device) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        from lnstrain.testing.distributed import distributed_env, free_port
+        from lnstrain.parallel.local_ranks import single_rank_env
 
-        os.environ.update(distributed_env(0, 1, free_port()))
+        os.environ.update(single_rank_env())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 

@@ -7,14 +7,15 @@ Exact correspondences (checked against ``transformers`` by tests/checkpoint/test
     exactly like Hugging Face LLaMA, so q/k rows need no permutation (Meta's original interleaved
     checkpoints are the ones that need it).
   * RMSNorm: both compute x * rsqrt(mean(x²) + eps) in fp32, times the gain.
-  * LayerNorm Scaling (``lns``): layer ℓ's two pre-sublayer norms compute norm(x) * gain * (1/√ℓ),
-    so the exported gains are gain / √ℓ: ``input_layernorm`` and ``post_attention_layernorm``
-    (config.json records the fold; ``lns_fold`` unfolds it on import).
-    ``lns_after_sublayer`` multiplies the sublayer's output, i.e. the last linear map of each
-    sublayer: the factor is folded into ``o_proj`` and ``down_proj``. The final norm is never scaled.
+  * per-layer factors come from the model's own ``block_layout`` (``lns_fold``). A factor on the
+    pre-sublayer norms' output (LayerNorm Scaling, ``lns``: norm(x) * gain * (1/√ℓ)) is folded into
+    both norm gains, ``input_layernorm`` and ``post_attention_layernorm``; a factor on the sublayer's
+    output (``lns_after_sublayer``) into its last linear map, ``o_proj`` and ``down_proj``.
+    config.json records the fold; ``lns_fold`` unfolds it on import. The final norm is never scaled.
     ``lns_gain_init`` applies no factor (1/√ℓ is only its gains' initial value): exported as is, like Pre-LN.
   * the padded vocabulary rows are dropped; ``vocab_size`` is the tokenizer's.
-Schemes whose blocks plain LLaMA code cannot compute are refused (``export_problems``).
+A model whose layout LLaMA's block cannot compute is refused (``hf_exportable.export_problems``), as
+is a state dict with tensors the export would leave behind.
 """
 
 from __future__ import annotations
@@ -25,37 +26,11 @@ from collections.abc import Iterator
 import torch
 
 from lnstrain.model.config import ModelConfig, NormScheme
+from lnstrain.checkpoint.hf_exportable import export_problems
 from lnstrain.checkpoint.lns_fold import RECORD_KEY, fold_record, layer_factors, unfold
 from lnstrain.checkpoint.param_names import fit_rows
 
 logger = logging.getLogger(__name__)
-
-_REFUSED = {
-    NormScheme.POST_LN: "Post-LN normalises after the residual add (norm(x + f(x))); LLaMA's blocks are Pre-LN",
-    NormScheme.DEEPNORM: "DeepNorm is Post-LN with an up-weighted residual (norm(alpha * x + f(x))); "
-                         "LLaMA's blocks are Pre-LN",
-    NormScheme.MIX_LN: "Mix-LN's first layers are Post-LN (norm(x + f(x))); LLaMA's blocks are all Pre-LN",
-    NormScheme.SANDWICH_LN: "Sandwich-LN normalises each sublayer's output too; LLaMA has no such norm",
-    NormScheme.LAYERSCALE: "LayerScale multiplies each sublayer's output by a learned per-channel gain; "
-                           "LLaMA has no such parameter",
-}
-EXPORTABLE = (NormScheme.PRE_LN, NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER, NormScheme.LNS_GAIN_INIT)
-
-
-def export_problems(cfg: ModelConfig) -> list[str]:
-    """Why this model cannot be written as a plain Hugging Face LLaMA (empty when it can)."""
-    scheme = NormScheme(cfg.norm_scheme)
-    problems = []
-    if scheme in _REFUSED:
-        problems.append(f"model.norm_scheme={scheme.value} cannot be exported as a Hugging Face LLaMA: "
-                        f"{_REFUSED[scheme]}. Exportable schemes: {', '.join(s.value for s in EXPORTABLE)} "
-                        "(with or without scaled_init); use tools/consolidate_checkpoint.py for a plain "
-                        "lnstrain state dict instead")
-    if cfg.norm_type != "rmsnorm":
-        problems.append(f"model.norm_type={cfg.norm_type} cannot be exported: LLaMA uses RMSNorm "
-                        "(no mean subtraction, no bias)")
-    return problems
-
 
 def _split_sizes(cfg: ModelConfig) -> list[int]:
     return [cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
@@ -66,27 +41,38 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     problems = export_problems(cfg)
     if problems:
         raise ValueError("\n".join(problems))
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:cfg.vocab_size],
-           "model.norm.weight": state["output.final_norm.weight"]}
+    exported: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        exported.add(name)
+        return state[name]
+
+    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:cfg.vocab_size],
+           "model.norm.weight": take("output.final_norm.weight")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["output.head.weight"][:cfg.vocab_size]
+        out["lm_head.weight"] = take("output.head.weight")[:cfg.vocab_size]
     for index in range(cfg.num_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
         norm_factor, output_factor = layer_factors(cfg, index + 1)
         if cfg.fused_qkv:
-            q, k, v = state[ours + "attention.qkv_proj.weight"].split(_split_sizes(cfg))
+            q, k, v = take(ours + "attention.qkv_proj.weight").split(_split_sizes(cfg))
         else:
-            q, k, v = (state[ours + f"attention.{p}_proj.weight"] for p in "qkv")
-        gate, up = state[ours + "mlp.gate_up_proj.weight"].chunk(2)
+            q, k, v = (take(ours + f"attention.{p}_proj.weight") for p in "qkv")
+        gate, up = take(ours + "mlp.gate_up_proj.weight").chunk(2)
         out.update({
-            theirs + "input_layernorm.weight": state[ours + "attention_norm.weight"] * norm_factor,
-            theirs + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"] * norm_factor,
+            theirs + "input_layernorm.weight": take(ours + "attention_norm.weight") * norm_factor,
+            theirs + "post_attention_layernorm.weight": take(ours + "mlp_norm.weight") * norm_factor,
             theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
             theirs + "self_attn.v_proj.weight": v,
-            theirs + "self_attn.o_proj.weight": state[ours + "attention.o_proj.weight"] * output_factor,
+            theirs + "self_attn.o_proj.weight": take(ours + "attention.o_proj.weight") * output_factor,
             theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-            theirs + "mlp.down_proj.weight": state[ours + "mlp.down_proj.weight"] * output_factor,
+            theirs + "mlp.down_proj.weight": take(ours + "mlp.down_proj.weight") * output_factor,
         })
+    left_behind = sorted(set(state) - exported)
+    if left_behind:
+        raise ValueError(f"the state dict holds {len(left_behind)} tensor(s) a Hugging Face LLaMA has no place "
+                         f"for (e.g. {', '.join(left_behind[:3])}): not a model of this config "
+                         f"(model.norm_scheme={NormScheme(cfg.norm_scheme).value})")
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -99,10 +85,10 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
     divide out (``lns_fold.unfold_factors`` decides); None loads the weights as they are.
     ``as_trained``: an export's side file of unfolded gains (``lns_fold``), which makes unfolding exact.
     """
-    scheme = NormScheme(cfg.norm_scheme)
-    if scheme not in EXPORTABLE or cfg.norm_type != "rmsnorm":
-        raise ValueError(f"cannot import a LLaMA checkpoint into model.norm_scheme={scheme.value}, "
-                         f"norm_type={cfg.norm_type}: " + "; ".join(export_problems(cfg)))
+    problems = export_problems(cfg)
+    if problems:
+        raise ValueError(f"cannot import a LLaMA checkpoint into model.norm_scheme="
+                         f"{NormScheme(cfg.norm_scheme).value}, norm_type={cfg.norm_type}: " + "; ".join(problems))
     as_trained = as_trained or {}
     padded = cfg.padded_vocab_size(1)
     head = hf.get("lm_head.weight")

@@ -38,6 +38,7 @@ from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_o
                                              single_process_shapes, tensor_parallel_template)
 from lnstrain.checkpoint.safe_load import load_deepspeed_file, zero3_fp32_weights
 from lnstrain.config.run_config import Config, load_config
+from lnstrain.run_files import CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +84,12 @@ def resolve_step_dir(path: str | os.PathLike) -> Path:
             raise FileNotFoundError(f"{path} is not a complete checkpoint (its save was interrupted); "
                                     "pick another global_step<N> or the checkpoint directory")
         return path
-    for directory in (path, path / "checkpoints"):
+    for directory in (path, path / CHECKPOINTS_DIR):
         found = newest_checkpoint(directory)
         if found is not None:
             return found
-    raise FileNotFoundError(f"{path} holds no complete global_step<N> checkpoint (nor does {path / 'checkpoints'})")
+    raise FileNotFoundError(f"{path} holds no complete global_step<N> checkpoint "
+                            f"(nor does {path / CHECKPOINTS_DIR})")
 
 
 def read_step_config(step_dir: str | os.PathLike) -> Config:

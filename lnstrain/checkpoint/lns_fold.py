@@ -1,20 +1,24 @@
 """LayerNorm Scaling folded into exported weights, the record that says so, and unfolding it exactly.
 
-A Hugging Face export of an LNS model multiplies layer ℓ's factor 1/√ℓ into weights (the two
-pre-sublayer norm gains for ``lns``; ``o_proj`` and ``down_proj`` for ``lns_after_sublayer``), so
-plain LLaMA code computes the same logits. The export's ``config.json`` records it::
+What an export folds is read from the model's own ``norm_schemes.block_layout``, layer by layer: its
+``norm_output_scale`` (multiplying the pre-sublayer norms' output; ``lns``'s 1/√ℓ) is folded into
+the two norm gains, its ``sublayer_output_scale`` (multiplying the sublayers' output;
+``lns_after_sublayer``'s 1/√ℓ) into ``o_proj`` and ``down_proj``, so plain LLaMA code computes the
+same logits. The export's ``config.json`` records it::
 
     "lnstrain": {"norm_scheme": "lns", "lns_folded_into": ["input_layernorm", "post_attention_layernorm"],
                  "layer_factors": [1.0, 0.7071067811865476, ...],
                  "unfolded_weights_file": "lnstrain_unfolded_norms.safetensors", "lnstrain_version": "..."}
 
+(``layer_factors``: per layer, the factor folded into every weight named in ``lns_folded_into``; one
+record holds one set of weights, so a layout with factors in both places is refused: ``fold_problems``)
 and the importers (``tools/convert_from_hf.py``, ``checkpoint.init_from``) unfold when the record is
 there. Multiplying by 1/√ℓ is not invertible in floating point (two neighbouring gains can round
-to the same product, so dividing back recovers one of them, not always the original), so an ``lns``
-export also carries the norm gains as trained in a small side file (``unfolded_weights_file``, fp32):
-unfolding takes a gain from it when folding it again gives the exported gain bit for bit (a file
+to the same product, so dividing back recovers one of them, not always the original), so an export
+that folds the norm gains also carries them as trained in a small side file (``unfolded_weights_file``,
+fp32): unfolding takes a gain from it when folding it again gives the exported gain bit for bit (a file
 left from before a fine-tune of the export does not), and divides otherwise. Either way the unfolded
-model computes what the export computes, since LNS multiplies the gain by the same factor again.
+model computes what the export computes, since the model multiplies the gain by the same factor again.
 """
 
 from __future__ import annotations
@@ -24,41 +28,60 @@ import logging
 import torch
 
 from lnstrain import __version__
+from lnstrain.model import norm_schemes
 from lnstrain.model.config import ModelConfig, NormScheme
-from lnstrain.model.norm_schemes import lns_factor
 
 logger = logging.getLogger(__name__)
 
 RECORD_KEY = "lnstrain"
 UNFOLDED_WEIGHTS_FILE = "lnstrain_unfolded_norms.safetensors"
-_FOLDED_INTO = {NormScheme.LNS: ["input_layernorm", "post_attention_layernorm"],
-                NormScheme.LNS_AFTER_SUBLAYER: ["o_proj", "down_proj"]}
+NORM_GAINS = ["input_layernorm", "post_attention_layernorm"]
+"""Where a layout's ``norm_output_scale`` is folded."""
+SUBLAYER_OUTPUTS = ["o_proj", "down_proj"]
+"""Where a layout's ``sublayer_output_scale`` is folded (each sublayer's last linear map)."""
 
 
 def layer_factors(cfg: ModelConfig, layer_number: int) -> tuple[float, float]:
-    """(factor folded into both norm gains, factor folded into o_proj and down_proj) for layer ℓ."""
-    scheme = NormScheme(cfg.norm_scheme)
-    if scheme == NormScheme.LNS:
-        return lns_factor(layer_number), 1.0
-    if scheme == NormScheme.LNS_AFTER_SUBLAYER:
-        return 1.0, lns_factor(layer_number)
-    return 1.0, 1.0
+    """(factor folded into both norm gains, factor folded into o_proj and down_proj) for layer ℓ: the
+    factors the model's ``block_layout`` multiplies the norms' output and the sublayers' output by."""
+    layout = norm_schemes.block_layout(cfg, layer_number)
+    return layout.norm_output_scale, layout.sublayer_output_scale
+
+
+def model_factors(cfg: ModelConfig) -> list[tuple[float, float]]:
+    """``layer_factors`` of every layer, first to last."""
+    return [layer_factors(cfg, number) for number in range(1, cfg.num_layers + 1)]
+
+
+def folded_into(factors: list[tuple[float, float]]) -> list[str]:
+    """The weights an export of a model with these per-layer factors multiplies (``lns_folded_into``)."""
+    return ((NORM_GAINS if any(norm != 1.0 for norm, _ in factors) else [])
+            + (SUBLAYER_OUTPUTS if any(output != 1.0 for _, output in factors) else []))
+
+
+def fold_problems(cfg: ModelConfig) -> list[str]:
+    """Why an export of ``cfg`` cannot record what it folds (empty when it can), said of its scheme."""
+    if folded_into(model_factors(cfg)) == NORM_GAINS + SUBLAYER_OUTPUTS:
+        return ["multiplies both the pre-sublayer norms' output and the sublayers' output by a factor; an "
+                "export folds one of the two (config.json's record holds one factor per layer)"]
+    return []
 
 
 def fold_record(cfg: ModelConfig) -> dict:
     """What an export of ``cfg`` folded, for its config.json (key ``RECORD_KEY``)."""
-    scheme = NormScheme(cfg.norm_scheme)
-    record = {"norm_scheme": scheme.value, "lns_folded_into": _FOLDED_INTO.get(scheme, []),
-              "layer_factors": [lns_factor(n) if scheme in _FOLDED_INTO else 1.0 for n in range(1, cfg.num_layers + 1)],
-              "lnstrain_version": __version__}
-    if scheme == NormScheme.LNS:
+    factors = model_factors(cfg)
+    names = folded_into(factors)
+    column = 1 if names == SUBLAYER_OUTPUTS else 0
+    record = {"norm_scheme": NormScheme(cfg.norm_scheme).value, "lns_folded_into": names,
+              "layer_factors": [pair[column] for pair in factors], "lnstrain_version": __version__}
+    if names == NORM_GAINS:
         record["unfolded_weights_file"] = UNFOLDED_WEIGHTS_FILE
     return record
 
 
 def folded_norm_gains(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The norm gains an ``lns`` export folds, as trained, under their Hugging Face names (the side file)."""
-    if NormScheme(cfg.norm_scheme) != NormScheme.LNS:
+    """The norm gains an export folds, as trained, under their Hugging Face names (the side file)."""
+    if folded_into(model_factors(cfg)) != NORM_GAINS:
         return {}
     gains = {}
     for index in range(cfg.num_layers):
@@ -74,11 +97,12 @@ def unfold_factors(record: dict | None, cfg: ModelConfig, unfold: bool | None, s
     as they are. ``unfold`` None: unfold when ``record`` (config.json's) says the weights hold the
     factors of this config's scheme. The decision and its consequence are logged either way."""
     scheme = NormScheme(cfg.norm_scheme)
+    applies_factors = bool(folded_into(model_factors(cfg)))
     folded = NormScheme(record["norm_scheme"]) if record and record.get("lns_folded_into") else None
     if unfold is None:
         unfold = folded is not None and folded == scheme
-        level, message = _automatic_decision(record, folded, scheme)
-    elif unfold and folded is None and scheme not in _FOLDED_INTO:
+        level, message = _automatic_decision(record, folded, scheme, applies_factors)
+    elif unfold and folded is None and not applies_factors:
         unfold = False
         level, message = logging.WARNING, f"unfolding asked for, but norm_scheme={scheme.value} has no LNS factors"
     else:
@@ -91,24 +115,26 @@ def unfold_factors(record: dict | None, cfg: ModelConfig, unfold: bool | None, s
         if len(recorded) != cfg.num_layers:
             raise ValueError(f"{source}: config.json's lnstrain.layer_factors has {len(recorded)} entries for "
                              f"{cfg.num_layers} layers")
-        return [(float(f), 1.0) if folded == NormScheme.LNS else (1.0, float(f)) for f in recorded]
-    return [layer_factors(cfg, n) for n in range(1, cfg.num_layers + 1)]
+        into_norms = record["lns_folded_into"] == NORM_GAINS
+        return [(float(f), 1.0) if into_norms else (1.0, float(f)) for f in recorded]
+    return model_factors(cfg)
 
 
-def _automatic_decision(record: dict | None, folded: NormScheme | None, scheme: NormScheme) -> tuple[int, str]:
+def _automatic_decision(record: dict | None, folded: NormScheme | None, scheme: NormScheme,
+                        applies_factors: bool) -> tuple[int, str]:
     override = "--unfold-lns / --no-unfold-lns, or checkpoint.init_from_unfold_lns, override this"
-    twice = (f"norm_scheme={scheme.value} multiplies each layer's sublayers by 1/sqrt(l) on top, so the model "
-             "computes a different function than the checkpoint did")
+    twice = (f"norm_scheme={scheme.value} multiplies each layer's sublayers by its per-layer factors on top, so "
+             "the model computes a different function than the checkpoint did")
     if folded is not None and folded == scheme:
-        return logging.INFO, (f"config.json records that lnstrain folded {scheme.value}'s 1/sqrt(l) into "
+        return logging.INFO, (f"config.json records that lnstrain folded {scheme.value}'s per-layer factors into "
                               f"{', '.join(record['lns_folded_into'])}; {override}")
-    if folded is not None and scheme not in _FOLDED_INTO:
+    if folded is not None and not applies_factors:
         return logging.INFO, (f"config.json records folded {folded.value} factors; norm_scheme={scheme.value} "
                               "applies no factor, so it computes what the exported model computes")
     if folded is not None:
         return logging.WARNING, (f"config.json records folded {folded.value} factors, but norm_scheme="
                                  f"{scheme.value}: the model computes a different function than the checkpoint did")
-    if scheme not in _FOLDED_INTO:
+    if not applies_factors:
         return logging.INFO, f"nothing folded, nothing to unfold into norm_scheme={scheme.value}"
     if record:
         return logging.WARNING, f"config.json records an lnstrain {record.get('norm_scheme')} export: {twice}"
@@ -138,12 +164,13 @@ def record_problems(record: object, cfg: ModelConfig, unfold: bool | None, sourc
         return [f"{where} is {type(record).__name__}, not a mapping as lnstrain's exports write it"]
     problems = []
     schemes = [s.value for s in NormScheme]
-    folded_into = record.get("lns_folded_into")
-    if folded_into is not None and not (isinstance(folded_into, list) and all(isinstance(n, str) for n in folded_into)):
-        problems.append(f"{where}.lns_folded_into must be a list of weight names (got {folded_into!r})")
-    if folded_into and record.get("norm_scheme") not in schemes:
+    names = record.get("lns_folded_into")
+    if names not in (None, [], NORM_GAINS, SUBLAYER_OUTPUTS):
+        problems.append(f"{where}.lns_folded_into must be {NORM_GAINS} or {SUBLAYER_OUTPUTS}, the weights an "
+                        f"export folds (got {names!r})")
+    if names and record.get("norm_scheme") not in schemes:
         problems.append(f"{where}.norm_scheme is {record.get('norm_scheme')!r}, not one of {schemes}")
-    elif folded_into and unfold is not False:
+    elif names and unfold is not False:
         factors = record.get("layer_factors")
         numbers = isinstance(factors, list) and all(
             isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)

@@ -12,6 +12,7 @@ tensor size 1 (``cfg.padded_vocab_size(1)``).
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,8 @@ from lnstrain.parallel.layers import ColumnParallelLinear, VocabParallelEmbeddin
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from deepspeed.pipe import LayerSpec
 
 TIED_PREFIX = "tied_modules."
 
@@ -48,9 +51,15 @@ def _pipeline_entry_prefixes(cfg: ModelConfig) -> dict[int, str]:
 
     prefixes = {}
     for index, spec in enumerate(layer_specs(cfg, ParallelGroups.single_process())):
-        number = spec.module_args[1] if issubclass(spec.typename, TransformerBlock) else None
+        number = _spec_layer_number(spec) if issubclass(spec.typename, TransformerBlock) else None
         prefixes[index] = stage_prefix(spec.typename, number)
     return prefixes
+
+
+def _spec_layer_number(spec: LayerSpec) -> int:
+    """The ``layer_number`` a transformer layer's spec will construct it with, passed by position or keyword."""
+    arguments = inspect.signature(spec.typename).bind(*spec.module_args, **spec.module_kwargs).arguments
+    return arguments["layer_number"]
 
 
 def _canonical(name: str, entry_prefix: Callable[[int], str]) -> str:

@@ -24,6 +24,7 @@ from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, load_ya
 from lnstrain.data.config import DataConfig
 from lnstrain.model.config import ModelConfig
 from lnstrain.parallel.config import ParallelConfig
+from lnstrain.run_files import CHECKPOINTS_DIR
 from lnstrain.training.config import OptimConfig, PrecisionConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run.dir / "checkpoints"
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run.dir / CHECKPOINTS_DIR
 
     # --- checks -------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, check_files: bool = True) -> list[str]:

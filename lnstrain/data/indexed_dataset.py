@@ -1,4 +1,4 @@
-"""Reader of Megatron-LM's indexed token format (ARCHITECTURE.md, Contract 2).
+"""Reader of Megatron-LM's indexed token format (docs/data.md, "The on-disk format").
 
 ``<prefix>.idx`` layout (little endian)::
 

@@ -83,7 +83,7 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun]) -> tuple[list[Chec
     for p in planned:
         config = p.config
         for step in analysis_steps(depth, config.total_steps):
-            step_dir = config.run.dir / "checkpoints" / f"global_step{step}"
+            step_dir = config.checkpoint_dir / f"global_step{step}"
             out_dir = root / p.run.name / f"step{step}"
             name = f"{p.run.scheme}_s{p.run.seed}"
             if (out_dir / "depth_analysis.json").is_file():

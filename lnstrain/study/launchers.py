@@ -19,15 +19,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from lnstrain.run_files import CHECKPOINTS_DIR, JOB_SCRIPT, LAUNCH_LOG, SLURM_JOB_ID_FILE, STUDY_CONFIG_FILE
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
-from lnstrain.study.runs import RUN_CONFIG
 from lnstrain.study.slurm import render_sbatch, submit
 from lnstrain.study.spec import ClusterProfile, Study
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
-JOB_ID_FILE = "slurm_job_id"
 
 
 @dataclass
@@ -42,7 +41,7 @@ def run_status(run_dir: Path, total_steps: int) -> str:
     """``finished``, ``partial`` (checkpoints exist, will resume) or ``new``."""
     if final_metrics(run_dir, total_steps) is not None:
         return "finished"
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CHECKPOINTS_DIR
     return "partial" if checkpoints.is_dir() and any(checkpoints.iterdir()) else "new"
 
 
@@ -67,13 +66,13 @@ def prepare_run_dir(planned: PlannedRun) -> Path:
     """Create the run directory and write the resolved config (layout included) into it."""
     config = planned.config
     config.run.dir.mkdir(parents=True, exist_ok=True)
-    path = config.run.dir / RUN_CONFIG
+    path = config.run.dir / STUDY_CONFIG_FILE
     config.save(path)
     return path
 
 
 def _slurm_job_active(run_dir: Path) -> bool:
-    job_file = run_dir / JOB_ID_FILE
+    job_file = run_dir / SLURM_JOB_ID_FILE
     if not job_file.is_file() or not shutil.which("squeue"):
         return False
     job_id = job_file.read_text().strip()
@@ -84,8 +83,8 @@ def _slurm_job_active(run_dir: Path) -> bool:
 def _launch_slurm(study: Study, planned: PlannedRun, config_path: Path) -> LaunchResult:
     run_dir = planned.config.run.dir
     if _slurm_job_active(run_dir):
-        return LaunchResult(planned.run.name, "queued", f"job {(run_dir / JOB_ID_FILE).read_text().strip()}")
-    script = run_dir / "job.sbatch"
+        return LaunchResult(planned.run.name, "queued", f"job {(run_dir / SLURM_JOB_ID_FILE).read_text().strip()}")
+    script = run_dir / JOB_SCRIPT
     script.write_text(render_sbatch(planned.run.name, run_dir.resolve(), str(config_path.resolve()), planned.gpus,
                                     study.cluster, REPO_ROOT, planned.config.checkpoint_dir.resolve()))
     if not study.cluster.slurm.submit:
@@ -94,13 +93,14 @@ def _launch_slurm(study: Study, planned: PlannedRun, config_path: Path) -> Launc
         job_ids = submit(script, study.cluster.slurm.chain_jobs)
     except (RuntimeError, FileNotFoundError) as error:
         return LaunchResult(planned.run.name, "failed", str(error))
-    (run_dir / JOB_ID_FILE).write_text(job_ids[-1] + "\n")  # the chain's last link: queued until the run ends
+    # the chain's last link: queued until the run ends
+    (run_dir / SLURM_JOB_ID_FILE).write_text(job_ids[-1] + "\n")
     return LaunchResult(planned.run.name, "submitted", f"job{'s' * (len(job_ids) > 1)} {' '.join(job_ids)}")
 
 
 def _launch_here(study: Study, planned: PlannedRun, config_path: Path) -> LaunchResult:
     command = training_command(config_path, planned.gpus, study.cluster)
-    log_path = planned.config.run.dir / "launch.log"
+    log_path = planned.config.run.dir / LAUNCH_LOG
     logger.info("%s: %s (log %s)", planned.run.name, " ".join(command), log_path)
     env = {**os.environ, **study.cluster.env}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

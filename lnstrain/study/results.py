@@ -1,27 +1,25 @@
 """A run's final evaluation, wherever the trainer left it.
 
-Preferred: ``<run dir>/final_metrics.json`` = {"step", "tokens", "eval_loss", "eval_ppl"}, written
-once when a run finishes. Fallback: the TensorBoard scalar ``eval/loss`` under
+Preferred: ``<run dir>/final_metrics.json`` (``run_files.FinalMetrics``), written once when a run
+finishes. Fallback: the TensorBoard scalar ``eval/loss`` under
 ``<run dir>/tensorboard`` (the trainer's metrics logger), accepted only at the run's last step, so a
 run stopped early never counts as finished.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
-from lnstrain.training.outcome import FINAL_METRICS_FILE as FINAL_METRICS
+from lnstrain.run_files import EVAL_LOSS_TAG, FINAL_METRICS_FILE, TENSORBOARD_DIR, read_final_metrics
 from lnstrain.training.outcome import finished_step
 
 logger = logging.getLogger(__name__)
-EVAL_LOSS_TAG = "eval/loss"
 
 
 def _from_tensorboard(run_dir: Path, total_steps: int) -> dict | None:
-    event_dir = run_dir / "tensorboard"
+    event_dir = run_dir / TENSORBOARD_DIR
     if not event_dir.is_dir() or not any(event_dir.rglob("events.out.tfevents.*")):
         return None
     try:
@@ -39,15 +37,14 @@ def _from_tensorboard(run_dir: Path, total_steps: int) -> dict | None:
     if last is None:
         return None
     return {"step": last.step, "tokens": "", "eval_loss": last.value, "eval_ppl": math.exp(last.value),
-            "source": "tensorboard"}
+            "source": TENSORBOARD_DIR}
 
 
 def final_metrics(run_dir: Path, total_steps: int) -> dict | None:
     """The finished run's final metrics, or None if the run has not finished."""
-    path = run_dir / FINAL_METRICS
-    if finished_step(run_dir, total_steps) is not None:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
+    metrics = read_final_metrics(run_dir) if finished_step(run_dir, total_steps) is not None else None
+    if metrics is not None:
         loss = math.nan if metrics.get("eval_loss") is None else float(metrics["eval_loss"])  # None: no eval data
         return {"step": metrics.get("step", ""), "tokens": metrics.get("tokens", ""), "eval_loss": loss,
-                "eval_ppl": float(metrics.get("eval_ppl") or math.exp(loss)), "source": FINAL_METRICS}
+                "eval_ppl": float(metrics.get("eval_ppl") or math.exp(loss)), "source": FINAL_METRICS_FILE}
     return _from_tensorboard(run_dir, total_steps)

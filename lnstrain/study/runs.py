@@ -9,10 +9,6 @@ from lnstrain.config.loader import apply_overrides, deep_merge, load_yaml_with_b
 from lnstrain.config.run_config import Config, config_from_dict
 from lnstrain.study.spec import Study
 
-RUN_CONFIG = "study_config.yaml"
-"""The resolved config the study launches a run with."""
-
-
 @dataclass
 class StudyRun:
     """One run of a study and its config (before the layout search)."""

@@ -26,11 +26,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from lnstrain.run_files import CHECKPOINTS_DIR, HOSTFILE_PREFIX, SLURM_JOBS_LOG, SLURM_OUTPUT
 from lnstrain.study.spec import ClusterProfile, SlurmOptions
 from lnstrain.training.outcome import EXIT_STOPPED
-
-JOBS_LOG = "slurm_jobs.log"
-"""In the run directory: one line per job end, '<job id> restart=<n> exit=<status>'."""
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -117,7 +115,7 @@ def _warning_signal(mode: str) -> str:
 def _resume_lines(job_name: str, run_dir: Path, checkpoint_dir: Path, options: SlurmOptions) -> list[str]:
     """Bash around the launch: one line when the job (re)starts, the run's outcome after it, and the
     requeue (exit 75: stopped before the last step) or, in a chain, the refusal to go on after a failure."""
-    jobs_log = shlex.quote(str(run_dir / JOBS_LOG))
+    jobs_log = shlex.quote(str(run_dir / SLURM_JOBS_LOG))
     latest = shlex.quote(str(checkpoint_dir / "latest"))
     job = 'job $SLURM_JOB_ID restart $RESTARTS${LNSTRAIN_CHAIN_LINK:+ (chain link $LNSTRAIN_CHAIN_LINK)}'
     stopped = EXIT_STOPPED
@@ -167,7 +165,7 @@ def render_sbatch(job_name: str, run_dir: Path, config_path: str, gpus: int, clu
     directives = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
                   f"--gpus-per-node={gpus_per_node}",
                   f"--cpus-per-task={max(1, options.cpus_per_task // tasks_per_node)}",
-                  f"--time={options.time}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
+                  f"--time={options.time}", f"--output={run_dir / SLURM_OUTPUT}", "--open-mode=append",
                   f"--signal={_warning_signal(options.mode)}@{options.signal_seconds}",
                   "--requeue" if options.requeue else "--no-requeue"]
     directives += [f"--partition={options.partition}"] * bool(options.partition)
@@ -180,17 +178,17 @@ def render_sbatch(job_name: str, run_dir: Path, config_path: str, gpus: int, clu
              "already finished);",
              f"# {EXIT_STOPPED} it stopped before its last step, to be resumed ({how}); anything else: "
              "it failed.",
-             f"# Each job appends '<job id> restart=<n> exit=<status>' to {run_dir / JOBS_LOG}.",
+             f"# Each job appends '<job id> restart=<n> exit=<status>' to {run_dir / SLURM_JOBS_LOG}.",
              "set -euo pipefail", f"cd {shlex.quote(str(repo_root))}", *options.setup,
              *(f"export {key}={shlex.quote(str(value))}" for key, value in sorted(cluster.env.items())),
              f"export PYTHON=${{PYTHON:-{shlex.quote(cluster.python)}}}",
              'export MASTER_ADDR=$("$PYTHON" launch/slurm/hostfile.py --master)',
              'export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}',
-             f'export HOSTFILE={shlex.quote(str(run_dir))}/hostfile.$SLURM_JOB_ID',
+             f'export HOSTFILE={shlex.quote(str(run_dir))}/{HOSTFILE_PREFIX}$SLURM_JOB_ID',
              f'"$PYTHON" launch/slurm/hostfile.py --slots {gpus_per_node} > "$HOSTFILE"',
              'echo "nodes: $SLURM_JOB_NODELIST master: $MASTER_ADDR:$MASTER_PORT"',
              *_train_function(options.mode, config_path, nodes, gpus_per_node),
-             *_resume_lines(job_name, run_dir, checkpoint_dir or run_dir / "checkpoints", options)]
+             *_resume_lines(job_name, run_dir, checkpoint_dir or run_dir / CHECKPOINTS_DIR, options)]
     return "\n".join(lines) + "\n"
 
 

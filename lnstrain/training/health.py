@@ -12,8 +12,9 @@ rank of a model replica shares: DeepSpeed's ZeRO and bf16 optimizers skip such a
 and ``NonFiniteGradientSkip`` does the same where lnstrain clips (fp32 without ZeRO). The loss every
 rank returns then tells the trainer the step was non-finite.
 
-Skipped data keeps Contract 4's "step s trains on global batch s": a step whose batch is skipped
-(``train.skip_sample_ranges``, or rolled back) trains on nothing, and the schedule still moves on.
+Skipped data keeps "step s trains on global batch s", which a resume relies on (docs/architecture.md,
+"Checkpoint format"): a step whose batch is skipped (``train.skip_sample_ranges``, or rolled back)
+trains on nothing, and the schedule still moves on.
 """
 
 from __future__ import annotations

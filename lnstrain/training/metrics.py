@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lnstrain.run_files import EVAL_LOSS_TAG
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,7 +112,7 @@ class MetricsLogger:
         if not self.is_writer:
             return
         logger.info("eval at step %d | loss %.4f | perplexity %.2f", step, loss, perplexity(loss))
-        self.scalar("eval/loss", loss, step, tokens_seen)
+        self.scalar(EVAL_LOSS_TAG, loss, step, tokens_seen)
         self.scalar("eval/perplexity", perplexity(loss), step, tokens_seen)
 
     def record_depth_stats(self, stats: dict[str, float], step: int) -> None:

@@ -16,29 +16,31 @@ The exit status tells a scheduler, a batch script or a job chain what happened:
 A stopped run must never look like a finished one: a scheduler records exit 0 as success, and a job
 that depends on it (SLURM's ``afterok``) would start on an unfinished run.
 
-A run is finished when ``<run dir>/final_metrics.json`` names its last step; the trainer writes it
-last, after the final evaluation and checkpoint.
+A run is finished when ``<run dir>/final_metrics.json`` (``run_files``) names its last step; the
+trainer writes it last, after the final evaluation and checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from lnstrain.run_files import read_final_metrics
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_STOPPED = 75
-FINAL_METRICS_FILE = "final_metrics.json"
 
 
 def finished_step(run_dir: str | Path, total_steps: int) -> int | None:
     """The step a finished run ended at (>= ``total_steps``), or None when the run is not finished
     (no marker, an unreadable one, or one from a shorter run that is being extended)."""
-    path = Path(run_dir) / FINAL_METRICS_FILE
+    metrics = read_final_metrics(run_dir)
+    if metrics is None:
+        return None
     try:
-        step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        step = int(metrics["step"])
+    except (ValueError, KeyError, TypeError):
         return None
     return step if step >= total_steps else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,16 @@ class StopController:
             margin is the slowest step plus the slowest save seen so far.
         save_interval_minutes: ask for a save when this much time passed since ``last_save_time``.
         device: where the flags live for the all-reduce (the accelerator with NCCL).
-        started: ``time.monotonic()`` when the clock of ``exit_after_minutes`` started (default: now).
+        started: ``clock()`` when the clock of ``exit_after_minutes`` started (default: now).
+        clock: seconds on a clock that never goes back, as ``last_save_time`` and ``started`` are given.
     """
 
     def __init__(self, exit_after_minutes: float | None, save_interval_minutes: float | None,
-                 device: torch.device | str = "cpu", started: float | None = None) -> None:
+                 device: torch.device | str = "cpu", started: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.device = torch.device(device)
-        self.started = time.monotonic() if started is None else started
+        self.clock = clock
+        self.started = clock() if started is None else started
         self.deadline_s = None if exit_after_minutes is None else 60.0 * exit_after_minutes
         self.save_interval_s = None if save_interval_minutes is None else 60.0 * save_interval_minutes
         self.received: int | None = None
@@ -68,7 +72,7 @@ class StopController:
 
     def poll(self, last_step_s: float, last_save_time: float) -> LoopDecision:
         """Collective: every rank calls it after each step and gets the same decision."""
-        now = time.monotonic()
+        now = self.clock()
         self.slowest_step_s = max(self.slowest_step_s, last_step_s)
         out_of_time = (self.deadline_s is not None and
                        now - self.started + self.slowest_step_s + self.slowest_save_s >= self.deadline_s)

@@ -1,7 +1,7 @@
 """The training loop: data -> engine steps -> logging, evaluation, checkpoints, clean stops.
 
 ``pretrain(config, world_size)`` runs on every rank after ``torch.distributed`` is initialised (the
-launcher does that; tests use ``lnstrain.testing.run_distributed``). The data position is the global
+launcher does that; tests use ``lnstrain.parallel.local_ranks.run_distributed``). The data position is the global
 number of consumed samples: step ``s`` always trains on global batch ``s`` of the training set, so
 a resumed run sees exactly the batches the uninterrupted run would have seen.
 """
@@ -27,10 +27,11 @@ from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
 from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, TENSORBOARD_DIR, FinalMetrics
 from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
-from lnstrain.training.outcome import EXIT_NONFINITE, EXIT_STOPPED, FINAL_METRICS_FILE
+from lnstrain.training.outcome import EXIT_NONFINITE, EXIT_STOPPED
 from lnstrain.training.preflight import tokenizer_checksum
 from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
@@ -91,7 +92,7 @@ class Trainer:
         self.accumulation = config.grad_accumulation_steps(world_size)
         self.total_steps = config.total_steps
         if self.rank == 0:
-            config.save(config.run.dir / "config.yaml")
+            config.save(config.run.dir / RUN_CONFIG_FILE)
 
         self.train_data, self.valid_data = build_train_valid_datasets(
             config.data, self.total_steps * self.global_batch,
@@ -105,8 +106,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             config, world_size, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
             data_fingerprint(config.data), tokenizer_checksum(config))
+        tensorboard_dir = config.run.dir / TENSORBOARD_DIR if config.logging.tensorboard else None
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
-                                     tensorboard_dir=config.run.dir / "tensorboard" if config.logging.tensorboard else None)
+                                     tensorboard_dir=tensorboard_dir)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
@@ -218,8 +220,8 @@ class Trainer:
         loss = result.eval_losses.get(position.step)
         if self.rank != 0:
             return
-        metrics = {"step": position.step, "tokens": position.tokens_seen, "eval_loss": loss,
-                   "eval_ppl": None if loss is None else perplexity(loss)}  # also the run's "finished" marker
+        metrics = FinalMetrics(step=position.step, tokens=position.tokens_seen, eval_loss=loss,
+                               eval_ppl=None if loss is None else perplexity(loss))  # also the "finished" marker
         write_atomically(self.config.run.dir / FINAL_METRICS_FILE, json.dumps(metrics, indent=2) + "\n")
 
     def train(self, stop_at_step: int | None = None) -> TrainingResult:

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from lnstrain.checkpoint.consolidated_file import load_init_state_dict, save_consolidated
 from lnstrain.checkpoint.hf_io import load_hf_llama_state_dict, read_hf_tensors, save_hf_checkpoint
-from lnstrain.checkpoint.hf_llama import export_problems, to_hf_state_dict
+from lnstrain.checkpoint.hf_exportable import export_problems
+from lnstrain.checkpoint.hf_llama import to_hf_state_dict
 from lnstrain.checkpoint.lns_fold import UNFOLDED_WEIGHTS_FILE
 from lnstrain.checkpoint.sharding import StateDictMismatchError, apply_full_state_dict
 from lnstrain.model import ModelConfig, Transformer
@@ -123,6 +124,7 @@ def export_and_compare(cfg: ModelConfig, directory) -> None:
     dict(norm_scheme="lns_after_sublayer"),
     dict(norm_scheme="lns_after_sublayer", tie_embeddings=True, num_kv_heads=2),
     dict(norm_scheme="lns_gain_init", tie_embeddings=True, num_kv_heads=2),
+    dict(norm_scheme="mix_ln"),  # floor(0.25 * 3) = 0 Post-LN layers: every block is Pre-LN
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_export_reproduces_lnstrain_logits(case, tmp_path):
     export_and_compare(tiny_cfg(**case), tmp_path / "hf")
@@ -157,7 +159,7 @@ def test_export_writes_index_config_and_tokenizer(tmp_path, tiny_corpus):
     ("layerscale", "LayerScale multiplies each sublayer's output by a learned per-channel gain"),
 ])
 def test_export_refuses_schemes_llama_cannot_compute(scheme, reason):
-    cfg = tiny_cfg(norm_scheme=scheme)
+    cfg = tiny_cfg(norm_scheme=scheme, num_layers=8)  # Mix-LN: layers 1-2 Post-LN
     [problem] = export_problems(cfg)
     assert problem.startswith(f"model.norm_scheme={scheme} cannot be exported as a Hugging Face LLaMA: {reason}")
     with pytest.raises(ValueError, match=f"model.norm_scheme={scheme} cannot be exported"):

@@ -135,4 +135,13 @@ def test_fsync_tree_skips_files_renamed_away_by_another_rank(tmp_path, monkeypat
     (tmp_path / "kept.pt").write_bytes(b"x")
     listing = [(str(tmp_path), [], ["kept.pt", ".lnstrain_metadata.json.tmp-123"])]  # renamed meanwhile
     monkeypatch.setattr(metadata.os, "walk", lambda directory: iter(listing))
+    synced = []
+    fsync_file = metadata.fsync_file
+
+    def recording_fsync_file(path):
+        fsync_file(path)  # raises for the file renamed away: not recorded
+        synced.append(Path(path))
+
+    monkeypatch.setattr(metadata, "fsync_file", recording_fsync_file)
     metadata.fsync_tree(tmp_path)
+    assert synced == [tmp_path / "kept.pt", tmp_path]  # the file that is there, then its directory

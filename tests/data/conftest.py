@@ -18,7 +18,7 @@ if REPO not in sys.path:
 from lnstrain.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
 
-# Megatron-LM's dtype codes, restated here from ARCHITECTURE.md Contract 2 (not imported from lnstrain).
+# Megatron-LM's dtype codes, restated here from docs/data.md, "The on-disk format" (not imported from lnstrain).
 CODE_OF = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
 STRUCT_OF = {"uint8": "B", "int8": "b", "int16": "h", "int32": "i", "int64": "q", "uint16": "H"}
 

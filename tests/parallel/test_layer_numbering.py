@@ -1,6 +1,6 @@
-"""Contract 1: the set {(layer number, LNS factor)} over all ranks equals the single-process model's,
-for pipeline 1, 2 and 4, tied and untied embeddings, even and uneven splits; and under
-``lns_gain_init`` every rank's pre-sublayer gains start at 1/sqrt(global layer number).
+"""Layer numbering (docs/architecture.md): the set {(layer number, LNS factor)} over all ranks equals
+the single-process model's, for pipeline 1, 2 and 4, tied and untied embeddings, even and uneven
+splits; and under ``lns_gain_init`` every rank's pre-sublayer gains start at 1/sqrt(global layer number).
 
 One 4-rank spawn builds every pipeline layout (the stages only; no engine) and reports each rank's
 (layer number, factor) pairs. Beyond the set, each pipeline replica (one data and tensor coordinate)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,24 @@ from lnstrain.training.outcome import EXIT_STOPPED
 from lnstrain.training.signals import StopController
 
 
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_sigusr1_and_sigterm_only_set_a_flag_until_polled():
     previous = signal.getsignal(signal.SIGUSR1)
-    stop = StopController(None, None).install()
+    clock = FakeClock()
+    stop = StopController(None, None, clock=clock).install()
     try:
-        assert not stop.poll(last_step_s=0.1, last_save_time=time.monotonic()).stop
+        assert not stop.poll(last_step_s=0.1, last_save_time=clock.now).stop
         os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
-        decision = stop.poll(last_step_s=0.1, last_save_time=time.monotonic())
+        decision = stop.poll(last_step_s=0.1, last_save_time=clock.now)
         assert decision.stop and decision.reason == "received SIGUSR1"
     finally:
         stop.uninstall()
@@ -31,19 +41,35 @@ def test_sigusr1_and_sigterm_only_set_a_flag_until_polled():
 
 
 def test_wallclock_limit_leaves_room_for_the_slowest_step_and_save():
-    stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None)
-    assert not stop.poll(last_step_s=20.0, last_save_time=time.monotonic()).stop
+    clock = FakeClock()  # stands still: only the slowest step and save count here
+    stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None, clock=clock)
+    assert not stop.poll(last_step_s=20.0, last_save_time=clock.now).stop
     stop.record_save(30.0)  # 20 s step + 30 s save + elapsed >= 60 s is not yet true...
-    assert not stop.poll(last_step_s=1.0, last_save_time=time.monotonic()).stop
+    assert not stop.poll(last_step_s=1.0, last_save_time=clock.now).stop
     stop.record_save(45.0)  # ...but 20 + 45 is over the minute: stop now, while a save still fits
-    decision = stop.poll(last_step_s=1.0, last_save_time=time.monotonic())
+    decision = stop.poll(last_step_s=1.0, last_save_time=clock.now)
+    assert decision.stop and decision.reason == "train.exit_after_minutes reached"
+
+
+def test_wallclock_limit_counts_the_time_since_the_start():
+    clock = FakeClock()
+    stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None, clock=clock)
+    stop.record_save(30.0)
+    clock.now += 9.0  # 9 s elapsed + 20 s slowest step + 30 s slowest save: 59 s, under the minute...
+    assert not stop.poll(last_step_s=20.0, last_save_time=clock.now).stop
+    clock.now += 1.0  # ...60 s is not
+    decision = stop.poll(last_step_s=1.0, last_save_time=clock.now)
     assert decision.stop and decision.reason == "train.exit_after_minutes reached"
 
 
 def test_time_based_save_is_due_after_the_interval():
-    stop = StopController(None, save_interval_minutes=1.0)
-    assert not stop.poll(1.0, last_save_time=time.monotonic()).save_for_time
-    decision = stop.poll(1.0, last_save_time=time.monotonic() - 61.0)
+    clock = FakeClock()
+    stop = StopController(None, save_interval_minutes=1.0, clock=clock)
+    last_save = clock.now
+    clock.now += 59.0
+    assert not stop.poll(1.0, last_save_time=last_save).save_for_time
+    clock.now += 1.0
+    decision = stop.poll(1.0, last_save_time=last_save)
     assert decision.save_for_time and not decision.stop
 
 
