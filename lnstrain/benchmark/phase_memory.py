@@ -77,15 +77,14 @@ def measure_step_memory(config: Config, world_size: int, steps: int = 3) -> Step
     """Build ``config``'s engine on this rank under ``PhaseMemory`` and take ``steps`` steps on
     synthetic tokens (``steps`` >= 2: the first is not steady)."""
     from lnstrain.benchmark.runners import synthetic_micro_batches
-    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.model.build import build_groups
     from lnstrain.training.engine import build_engine
 
     if steps < 2:
         raise ValueError("measure at least 2 steps: the first creates the optimizer state")
     tracker = PhaseMemory()
-    par = config.parallel
     with tracker:
-        groups = ParallelGroups.build(par.tensor, par.pipeline, par.sequence_parallel)
+        groups = build_groups(config)
         engine = build_engine(config, groups, world_size)
         engine.module.register_forward_pre_hook(lambda _module, _args: tracker.enter("forward"))
         micro_batches = synthetic_micro_batches(config, config.grad_accumulation_steps(world_size), groups.dp_rank)

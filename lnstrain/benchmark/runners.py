@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lnstrain.config.run_config import Config
-from lnstrain.model.block import TransformerBlock
+from lnstrain.model.build import build_groups, build_model
 from lnstrain.model.config import NormScheme
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.optimizer import adam_kernel
@@ -144,14 +144,7 @@ class ModelRunner(PlainRunner):
 
     def __init__(self, name: str, config: Config, device: torch.device,
                  micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        from lnstrain.model.transformer import Transformer
-
-        model = Transformer(config.model, ParallelGroups.single_process())
-        model.set_activation_checkpointing(config.train.activation_checkpointing)
-        if config.train.compile:
-            for block in model.modules():
-                if isinstance(block, TransformerBlock):
-                    block.compile()
+        model = build_model(config, ParallelGroups.single_process())
         super().__init__(name, model, config, device, micro_batches)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -168,8 +161,7 @@ class EngineRunner(StepRunner):
         from lnstrain.training.engine import build_engine
 
         ensure_process_group(device)
-        par = config.parallel
-        groups = ParallelGroups.build(par.tensor, par.pipeline, par.sequence_parallel)
+        groups = build_groups(config)
         self.engine = build_engine(config, groups, world_size)
         super().__init__(name, self.engine.device)
         self.micro_batches = micro_batches

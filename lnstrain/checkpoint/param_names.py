@@ -47,7 +47,7 @@ def stage_prefix(stage_class: type, layer_number: int | None) -> str:
 
 def _pipeline_entry_prefixes(cfg: ModelConfig) -> dict[int, str]:
     """DeepSpeed pipeline position -> canonical prefix, from the specs ``pipeline.layer_specs`` builds."""
-    from lnstrain.parallel.pipeline import layer_specs
+    from lnstrain.model.pipeline import layer_specs
 
     prefixes = {}
     for index, spec in enumerate(layer_specs(cfg, ParallelGroups.single_process())):

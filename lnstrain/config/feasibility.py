@@ -14,6 +14,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from lnstrain.config.loader import ConfigError
+from lnstrain.parallel.config import world_size_problems
 
 if TYPE_CHECKING:
     from lnstrain.config.run_config import Config
@@ -65,14 +66,6 @@ def optimizer_kind(config: Config) -> OptimizerKind:
     if parallel.zero_stage > 0:
         return OptimizerKind.ZERO
     return OptimizerKind.NONE if precision.dtype == "fp32" else OptimizerKind.FP16_UNFUSED
-
-
-def world_size_problems(world_size: int, tensor: int, pipeline: int) -> list[str]:
-    """The world must split into whole tensor × pipeline grids (sizes below 1: the parallel section's problem)."""
-    if tensor < 1 or pipeline < 1 or world_size % (tensor * pipeline) == 0:
-        return []
-    return [f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline ({tensor} × "
-            f"{pipeline}); launch a multiple of {tensor * pipeline} ranks"]
 
 
 def _shape_problems(config: Config) -> list[str]:

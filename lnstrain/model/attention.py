@@ -3,8 +3,8 @@ tensor-parallel ranks.
 
 Query heads are split evenly. Key/value heads are split too when there are at least as
 many as ranks; otherwise each rank holds the one KV head its query heads use (replicated), and
-the tp / num_kv_heads neighbouring ranks sharing a head sum its gradient in backward (over the
-group `with_kv_head_groups` builds).
+the `kv_head_copies` neighbouring ranks sharing a head sum its gradient in backward, over a group
+that must exist before the model is built (`ParallelGroups.build(..., tp_replica_copies=...)`).
 
 `checkpoint_core` (selective activation checkpointing) recomputes the attention core,
 softmax(q k^T) v, in backward instead of keeping what it saves: the inputs q, k, v are kept.
@@ -28,18 +28,21 @@ if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
 
 
-def with_kv_head_groups(cfg: ModelConfig, groups: ParallelGroups) -> ParallelGroups:
-    """``groups`` plus the groups of tensor ranks that share a replicated KV head, when there are
-    fewer KV heads than ranks (collective: every rank calls it when building the model)."""
-    if cfg.kv_heads >= groups.tp_size or groups.tp_size % cfg.kv_heads:
-        return groups
-    return groups.with_tp_replica_groups(groups.tp_size // cfg.kv_heads)
+def kv_head_copies(cfg: ModelConfig, tp_size: int) -> int:
+    """How many neighbouring tensor ranks hold each key/value head: tp / num_kv_heads when there are
+    fewer KV heads than ranks, else 1 (each rank holds its own)."""
+    if cfg.kv_heads >= tp_size or tp_size % cfg.kv_heads:
+        return 1
+    return tp_size // cfg.kv_heads
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         tp = groups.tp_size
+        copies = kv_head_copies(cfg, tp)
+        if copies > 1 and groups.tp_group is not None:
+            groups.tp_replica_group(copies)  # raises, naming the fix, when that group was not built
         self.groups = groups
         self.head_dim = cfg.head_dim
         self.local_heads = cfg.num_heads // tp

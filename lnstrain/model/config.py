@@ -1,28 +1,16 @@
 """The model's configuration: one typed dataclass, validated all at once.
 
-Plain types, str-Enums and Literals only, so the generic YAML loader can fill it.
+Plain types, str-Enums and Literals only, so the generic YAML loader can fill it. The norm schemes
+(``NormScheme``) and what each implies live in ``norm_schemes``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import Literal
 
-
-class NormScheme(str, enum.Enum):
-    """Where the norms sit in a transformer block (see docs/model.md for the formulas)."""
-
-    PRE_LN = "pre_ln"
-    LNS = "lns"  # Pre-LN, each pre-sublayer norm's output times 1/sqrt(layer_number)
-    LNS_AFTER_SUBLAYER = "lns_after_sublayer"  # Pre-LN, each sublayer's output times 1/sqrt(layer_number)
-    LNS_GAIN_INIT = "lns_gain_init"  # Pre-LN, pre-sublayer norm gains start at 1/sqrt(layer_number), no factor
-    POST_LN = "post_ln"
-    DEEPNORM = "deepnorm"
-    MIX_LN = "mix_ln"  # first floor(mix_ln_alpha * num_layers) layers Post-LN, the rest Pre-LN
-    SANDWICH_LN = "sandwich_ln"
-    LAYERSCALE = "layerscale"
+from lnstrain.model.norm_schemes import NormScheme, has_final_norm, norms_per_block
 
 
 @dataclass
@@ -135,8 +123,6 @@ class ModelConfig:
 
         Embeddings use the true vocabulary, or the padded one when tensor_parallel is given.
         """
-        from lnstrain.model.norm_schemes import has_final_norm, norms_per_block  # avoid an import cycle
-
         h, head_dim = self.hidden_size, self.head_dim
         norm_size = h * (2 if self.norm_type == "layernorm" else 1)
         attention = h * self.num_heads * head_dim + 2 * h * self.kv_heads * head_dim + self.num_heads * head_dim * h

@@ -1,11 +1,12 @@
-"""Norm placement per layer: the one place where the norm schemes (and LNS) differ.
+"""The norm schemes and their placement per layer: the one place where the schemes (and LNS) differ.
 
-`block_layout(cfg, layer_number)` turns the config's `norm_scheme` into a small, plain
-description of one block; `TransformerBlock` follows it. LayerNorm Scaling lives in
-`lns_factor`, called once, in `block_layout`: `lns` applies it to the pre-sublayer norms' output,
-`lns_after_sublayer` to the sublayers' output, and `lns_gain_init` only uses it as the initial
-value of the pre-sublayer norms' (learned) gains, so it computes the same function as `lns` at
-step 0 while Adam updates those gains at full speed instead of at lr/sqrt(l).
+`NormScheme` names them (``model.norm_scheme``; `config.py` imports it from here, and this module
+reads `ModelConfig` without importing it). `block_layout(cfg, layer_number)` turns the config's
+`norm_scheme` into a small, plain description of one block; `TransformerBlock` follows it.
+LayerNorm Scaling lives in `lns_factor`, called once, in `block_layout`: `lns` applies it to the
+pre-sublayer norms' output, `lns_after_sublayer` to the sublayers' output, and `lns_gain_init`
+only uses it as the initial value of the pre-sublayer norms' (learned) gains, so it computes the
+same function as `lns` at step 0 while Adam updates those gains at full speed instead of at lr/sqrt(l).
 """
 
 from __future__ import annotations
@@ -13,8 +14,24 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lnstrain.model.config import ModelConfig, NormScheme
+if TYPE_CHECKING:
+    from lnstrain.model.config import ModelConfig
+
+
+class NormScheme(str, enum.Enum):
+    """Where the norms sit in a transformer block (see docs/model.md for the formulas)."""
+
+    PRE_LN = "pre_ln"
+    LNS = "lns"  # Pre-LN, each pre-sublayer norm's output times 1/sqrt(layer_number)
+    LNS_AFTER_SUBLAYER = "lns_after_sublayer"  # Pre-LN, each sublayer's output times 1/sqrt(layer_number)
+    LNS_GAIN_INIT = "lns_gain_init"  # Pre-LN, pre-sublayer norm gains start at 1/sqrt(layer_number), no factor
+    POST_LN = "post_ln"
+    DEEPNORM = "deepnorm"
+    MIX_LN = "mix_ln"  # first floor(mix_ln_alpha * num_layers) layers Post-LN, the rest Pre-LN
+    SANDWICH_LN = "sandwich_ln"
+    LAYERSCALE = "layerscale"
 
 
 class Placement(str, enum.Enum):

@@ -1,8 +1,9 @@
 """The LLaMA-family decoder: embedding -> layers -> final norm -> output head.
 
-Each stage is a module of its own, passing plain tensors, so that a pipeline can place
-them on different ranks. Hidden states are [batch, seq, hidden] (seq sharded under
-sequence parallelism); logits are [batch, seq, padded_vocab / tp].
+Each stage is a module of its own, passing plain tensors, so that a pipeline (``model.pipeline``)
+can place them on different ranks; ``Transformer`` chains them on one. Hidden states are
+[batch, seq, hidden] (seq sharded under sequence parallelism); logits are [batch, seq, padded_vocab / tp].
+Building any of them creates no process group (see ``model.build``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lnstrain.model.attention import with_kv_head_groups
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.init import init_weights
+from lnstrain.model.loss import language_model_loss
 from lnstrain.model.norm_schemes import has_final_norm
 from lnstrain.model.norms import build_norm
-from lnstrain.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, VocabParallelEmbedding, vocab_parallel_logits
 from lnstrain.parallel.sequence_parallel import sequence_parallel_params
 
@@ -71,23 +71,14 @@ class OutputStage(nn.Module):
         return vocab_parallel_logits(hidden, tied_embedding_weight, self.groups)
 
 
-def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, cfg: ModelConfig, groups: ParallelGroups,
-                        loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32 scalar) over the tokens where loss_mask is nonzero.
-
-    logits: [batch, seq, padded_vocab / tp] from OutputStage; labels: [batch, seq].
-    """
-    per_token = vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size)
-    return masked_mean(per_token, loss_mask)
-
-
 class Transformer(nn.Module):
+    """The whole model in one module: what each rank holds at pipeline size 1."""
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         problems = cfg.validate(groups.tp_size)
         if problems:
             raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
-        groups = with_kv_head_groups(cfg, groups)
         self.cfg = cfg
         self.groups = groups
         self.embedding = EmbeddingStage(cfg, groups)

@@ -1,4 +1,7 @@
-"""Parallelism: process groups, tensor-parallel layers and communication, pipeline stages."""
+"""Parallelism: process groups, tensor-parallel layers and their communication, DeepSpeed's comm layer.
+
+Nothing here knows the model: ``lnstrain.model.build`` puts the model together from these pieces.
+"""
 
 from lnstrain.parallel.groups import ParallelGroups, RankLayout, layout_problems
 

@@ -51,3 +51,11 @@ class ParallelConfig:
             if any(n < 1 for n in self.pipeline_boundaries):
                 problems.append("parallel.pipeline_boundaries: every stage needs at least one layer")
         return problems
+
+
+def world_size_problems(world_size: int, tensor: int, pipeline: int) -> list[str]:
+    """The world must split into whole tensor × pipeline grids (sizes below 1: the parallel section's problem)."""
+    if tensor < 1 or pipeline < 1 or world_size % (tensor * pipeline) == 0:
+        return []
+    return [f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline ({tensor} × "
+            f"{pipeline}); launch a multiple of {tensor * pipeline} ranks"]

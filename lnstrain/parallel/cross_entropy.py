@@ -99,10 +99,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
         return _CrossEntropy.apply(logits, labels, vocab_size)
     return _VocabParallelCrossEntropy.apply(logits, labels, groups, vocab_size)
 
-
-def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the tokens where loss_mask is nonzero (all tokens when None)."""
-    if loss_mask is None:
-        return per_token_loss.mean()
-    loss_mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)

@@ -7,6 +7,9 @@ Ranks are laid out as DeepSpeed's ``PipeModelDataParallelTopology`` lays them ou
 
 so the ranks of one tensor-parallel group are neighbours (one node, fast links), and DeepSpeed's
 pipeline engine, which builds its own grid from the same topology, agrees with ours.
+``ParallelGroups.build`` creates every group lnstrain communicates over, before any model exists:
+building a model creates none (DeepSpeed's ``PipelineModule`` still builds its own grid of the same
+groups when constructed).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lnstrain.config.feasibility import world_size_problems
-from lnstrain.parallel.config import ParallelConfig
+from lnstrain.parallel.config import ParallelConfig, world_size_problems
+from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +131,21 @@ class ParallelGroups:
         return cls()
 
     @classmethod
-    def build(cls, tensor: int, pipeline: int, sequence_parallel: bool = False) -> "ParallelGroups":
-        """Create every group (all ranks must call this, in the same order) after dist init."""
+    def build(cls, tensor: int, pipeline: int, sequence_parallel: bool = False,
+              tp_replica_copies: int = 1) -> "ParallelGroups":
+        """Create every group (all ranks must call this, in the same order) after dist init.
+
+        ``tp_replica_copies``: also the blocks of that many neighbouring tensor ranks that hold one
+        replicated unit (``with_tp_replica_groups``; the model's ``kv_head_copies``). DeepSpeed's
+        communication layer, which wraps torch.distributed, is started here too, so that nothing a
+        model or engine communicates through is created while the model is built.
+        """
         if not dist.is_initialized():
             if tensor == pipeline == 1:
                 return cls(sequence_parallel=False)
             raise RuntimeError("torch.distributed must be initialised before building a "
                                f"tensor={tensor} × pipeline={pipeline} layout")
+        init_deepspeed_comm(dist.get_backend())  # before DeepSpeed is imported below (it names the accelerator)
         world_size, rank = dist.get_world_size(), dist.get_rank()
         problems = layout_problems(world_size, tensor, pipeline)
         if problems:
@@ -165,15 +176,15 @@ class ParallelGroups:
                      mpu_groups=(tp_handle, pp_handle, dp_handle))
         logger.info("rank %d: tensor %d/%d, pipeline %d/%d, data %d/%d", rank, tp_rank, tensor,
                     pp_rank, pipeline, dp_rank, layout.dp_size)
-        return groups
+        return groups.with_tp_replica_groups(tp_replica_copies)
 
     def with_tp_replica_groups(self, copies: int) -> "ParallelGroups":
         """These groups plus this rank's block of ``copies`` neighbouring tensor ranks.
 
         A unit (key/value head) split over fewer pieces than there are tensor ranks is held by
         ``copies = tp / pieces`` neighbouring ranks, whose gradients must be summed. Collective: every
-        rank of the world calls it with the same ``copies``, in the same order (the model does, when
-        built). Returns ``self`` when nothing is needed: ``copies`` 1 or tp (the tensor group itself),
+        rank of the world calls it with the same ``copies``, in the same order (``build`` does).
+        Returns ``self`` when nothing is needed: ``copies`` 1 or tp (the tensor group itself),
         groups without communication, or blocks already built.
         """
         if self.tp_size % copies:
@@ -194,9 +205,9 @@ class ParallelGroups:
             return self.tp_group
         handles = dict(self.tp_replica_handles)
         if copies not in handles:
-            raise RuntimeError(f"no group of {copies} neighbouring tensor ranks: build the model with "
-                               f"Transformer / build_pipeline_module, or call groups.with_tp_replica_groups({copies}) "
-                               "on every rank first")
+            raise RuntimeError(f"no group of {copies} neighbouring tensor ranks: build the groups with "
+                               f"ParallelGroups.build(..., tp_replica_copies={copies}) (lnstrain.model.build."
+                               "build_groups does, for a config) before the model")
         return handles[copies]
 
     @property

@@ -1,4 +1,4 @@
-"""Micro-batches -> model inputs, and the token-weighted loss every layout shares.
+"""Micro-batches -> model inputs and per-token loss weights, the same for every layout.
 
 A micro-batch is the data layer's dict ``{"tokens": int64[mb, seq + 1], "loss_mask": float[mb, seq]}``
 (``loss_mask`` optional: all ones). The model reads ``tokens[:, :-1]`` and predicts
@@ -10,7 +10,8 @@ split into micro-batches and data-parallel ranks. DeepSpeed averages per-micro-b
 by the accumulation steps, then by the data-parallel size), so each micro-batch's loss is its
 *sum* of token losses times ``weight = accumulation_steps * dp_size / counted_tokens_in_global_batch``:
 their DeepSpeed average is then exactly ``sum of token losses / counted tokens``, and so are the
-gradients. One all-reduce of a scalar over the data-parallel group finds the token count.
+gradients. One all-reduce of a scalar over the data-parallel group finds the token count. The loss
+itself, ``sum(token loss * weight)``, is ``lnstrain.model.loss.weighted_token_loss``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lnstrain.model.config import ModelConfig
-from lnstrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from lnstrain.parallel.groups import collective_device
 
 if TYPE_CHECKING:
@@ -74,9 +73,3 @@ def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
                 for inputs, labels, mask in split]
     return weighted, total
 
-
-def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                        cfg: ModelConfig, groups: ParallelGroups) -> torch.Tensor:
-    """sum(token cross-entropy * weight): an fp32 scalar, identical on the ranks of a TP group."""
-    per_token = vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size)
-    return (per_token * weights.to(per_token.dtype)).sum()

@@ -6,7 +6,8 @@ every layout starts from the same model), our optimizer and schedule, and ``deep
 ``TrainingEngine.train_step`` then hides whether DeepSpeed runs a pipeline schedule or plain
 forward/backward over the micro-batches. torch.distributed must already be initialised.
 
-Loss: the token-weighted mean over the global batch (``lnstrain.training.batches``); tokens with
+Loss: the token-weighted mean over the global batch (``lnstrain.model.loss``, weights from
+``lnstrain.training.batches``); tokens with
 ``loss_mask`` 0 (padding, excluded tokens) add nothing to the loss, the gradient or the count.
 """
 
@@ -24,9 +25,10 @@ from torch import nn
 from lnstrain.config.deepspeed_json import deepspeed_config
 from lnstrain.config.feasibility import check_layout, optimizer_kind, overcounted_kv_rows
 from lnstrain.config.run_config import Config
-from lnstrain.model.block import TransformerBlock
+from lnstrain.model.build import build_model
+from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.training.batches import MicroBatch, weigh_micro_batches, weighted_token_loss
+from lnstrain.training.batches import MicroBatch, weigh_micro_batches
 from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
 from lnstrain.training.optimizer import build_optimizer
@@ -54,18 +56,6 @@ def _check_groups_match(config: Config, groups: ParallelGroups, world_size: int)
         raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for "
                          f"{expected} on {world_size} ranks; build them with ParallelGroups.build("
                          f"{config.parallel.tensor}, {config.parallel.pipeline})")
-
-
-def _build_module(config: Config, groups: ParallelGroups) -> nn.Module:
-    if groups.pp_size > 1:
-        from lnstrain.parallel.pipeline import build_pipeline_module
-
-        return build_pipeline_module(config.model, config.parallel, groups, config.train.activation_checkpointing)
-    from lnstrain.model.transformer import Transformer
-
-    model = Transformer(config.model, groups)
-    model.set_activation_checkpointing(config.train.activation_checkpointing)
-    return model
 
 
 def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:
@@ -105,12 +95,7 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
                 config.model.num_layers, config.model.hidden_size, config.model.norm_scheme.value)
     if overcounted_kv_rows(config):  # refused where DeepSpeed clips; kept where lnstrain does, for existing runs
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
-    module = _build_module(config, groups).to(training_device())  # before the optimizer picks its kernel
-    if config.train.compile:
-        logger.info("train.compile: torch.compile compiles each transformer block during the first step")
-        for block in module.modules():
-            if isinstance(block, TransformerBlock):
-                block.compile()
+    module = build_model(config, groups).to(training_device())  # before the optimizer picks its kernel
     optimizer = build_optimizer(module, config.optim)
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,

@@ -26,6 +26,7 @@ from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, new
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
+from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, TENSORBOARD_DIR, FinalMetrics
 from lnstrain.training.evaluation import evaluate, validation_samples
@@ -84,8 +85,7 @@ class Trainer:
         self.config = config
         self.world_size = world_size
         self.rank = dist.get_rank()
-        par = config.parallel
-        self.groups = ParallelGroups.build(par.tensor, par.pipeline, par.sequence_parallel)
+        self.groups = build_groups(config)
         seed_everything(config.train.seed + 100 * self.groups.pp_rank)  # tp/dp peers share dropout seeds
         self.global_batch = config.train.global_batch_size
         self.micro_batch = config.train.micro_batch_size

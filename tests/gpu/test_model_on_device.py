@@ -82,7 +82,7 @@ def test_compiled_layers_compute_what_eager_layers_compute(device, dtype):
     torch._dynamo.reset()
     eager = loss_and_gradients(small_model(device, dtype), device)
     compiled_model = small_model(device, dtype)
-    for block in compiled_model.layers:  # as build_engine does with train.compile
+    for block in compiled_model.layers:  # as build_model does with train.compile
         block.compile()
     compiled = loss_and_gradients(compiled_model, device)
     graphs = counters["stats"]["unique_graphs"]

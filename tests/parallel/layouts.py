@@ -128,11 +128,11 @@ def layer_factors(module: torch.nn.Module) -> list[tuple[int, float]]:
 
 def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[str, Any]:
     """Train ``layout`` for ``steps`` steps on this rank; gradients of step 1 from every rank."""
-    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.model.build import build_groups
     from lnstrain.training.engine import build_engine
 
     config = layout.config(steps)
-    groups = ParallelGroups.build(layout.tensor, layout.pipeline, layout.sequence_parallel)
+    groups = build_groups(config)
     engine = build_engine(config, groups, world_size)
     captured: dict[str, torch.Tensor] = {}
 

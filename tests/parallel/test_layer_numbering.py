@@ -32,19 +32,19 @@ PIPELINE_LAYOUTS = [
 
 
 def numbering_worker(rank: int, world_size: int, layouts: list[Layout]) -> dict[str, tuple]:
-    from lnstrain.parallel.pipeline import build_pipeline_module
+    from lnstrain.model.build import build_model
 
     results = {}
     for layout in layouts:
         config = make_config(layout, num_layers=NUM_LAYERS)
         groups = ParallelGroups.build(layout.tensor, layout.pipeline)
-        module = build_pipeline_module(config.model, config.parallel, groups)
+        module = build_model(config, groups)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, (groups.pp_rank, groups.dp_rank, groups.tp_rank, layer_factors(module)))
         results[layout.name] = gathered
         gain_config = make_config(layout, num_layers=NUM_LAYERS)
         gain_config.model.norm_scheme = NormScheme.LNS_GAIN_INIT
-        module = build_pipeline_module(gain_config.model, gain_config.parallel, groups)
+        module = build_model(gain_config, groups)
         gains = [(b.layer_number, b.lns_factor, b.attention_norm.weight.tolist(), b.mlp_norm.weight.tolist())
                  for b in module.modules() if isinstance(b, TransformerBlock)]
         gathered = [None] * world_size

@@ -13,7 +13,7 @@ from lnstrain.config.feasibility import check_layout, layout_problems
 from lnstrain.config.loader import ConfigError
 from lnstrain.model import EmbeddingStage, OutputStage, TransformerBlock
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.parallel.pipeline import FinalNormStage, PipelineLoss, explicit_parts, layer_specs
+from lnstrain.model.pipeline import FinalNormStage, PipelineLoss, explicit_parts, layer_specs
 from lnstrain.training.engine import build_engine
 from tests.parallel.layouts import Layout, make_config
 
@@ -40,7 +40,7 @@ def test_tied_specs_share_the_embedding_at_both_ends():
 
 def test_tied_pipeline_pieces_compute_the_single_process_logits():
     from lnstrain.model import Transformer
-    from lnstrain.parallel.pipeline import tied_embedding_logits
+    from lnstrain.model.pipeline import tied_embedding_logits
 
     cfg = make_config(Layout("tied", tied=True)).model
     model = Transformer(cfg, SINGLE)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lnstrain.model import Transformer, model_preset
+from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.training.batches import split_tokens, weigh_micro_batches, weighted_token_loss
+from lnstrain.training.batches import split_tokens, weigh_micro_batches
 
 SINGLE = ParallelGroups.single_process()
 

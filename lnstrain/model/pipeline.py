@@ -8,7 +8,9 @@ Scaling's 1/√ℓ never depends on the split. DeepSpeed's layer indices count e
 
 (* one ``TiedLayerSpec``: the first and last stage each hold a copy of the embedding, whose
 gradients DeepSpeed all-reduces between them.) Micro-batches travel as ``(tokens, (labels,
-weights))``: tokens to the first stage, labels and loss weights to the last.
+weights))``: tokens to the first stage, labels and loss weights to the last, whose loss is
+``model.loss.weighted_token_loss``, as without a pipeline. ``model.build.build_model`` is the entry
+point (it applies activation checkpointing and compilation to the stage this file builds).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from lnstrain.model.attention import with_kv_head_groups
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import ModelConfig
+from lnstrain.model.loss import weighted_token_loss
 from lnstrain.model.transformer import EmbeddingStage, OutputStage
 from lnstrain.parallel.config import ParallelConfig
 from lnstrain.parallel.layers import vocab_parallel_logits
-from lnstrain.training.batches import weighted_token_loss
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -117,12 +118,13 @@ def check_grid_matches(module: PipelineModule, groups: ParallelGroups) -> None:
     assert grid.get_stage_id() == groups.pp_rank, (grid.get_stage_id(), groups.pp_rank)
 
 
-def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, groups: ParallelGroups,
-                          activation_checkpointing: str = "none") -> PipelineModule:
+def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                          groups: ParallelGroups) -> PipelineModule:
     """This rank's pipeline stage of the model, partitioned as ``parallel_cfg`` asks.
 
-    ``activation_checkpointing``: ``full`` recomputes each transformer layer in backward, ``selective``
-    each layer's attention core.
+    ``groups`` must hold every group the model needs, and DeepSpeed's communication layer must be
+    started (``ParallelGroups.build`` does both); the ``PipelineModule`` itself builds DeepSpeed's
+    grid, checked here against ``groups``.
     """
     problems = model_cfg.validate(groups.tp_size)
     if model_cfg.num_layers < groups.pp_size:
@@ -130,12 +132,6 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
                         f"({groups.pp_size}); every stage needs at least one layer")
     if problems:
         raise ValueError("cannot build the pipeline:\n  " + "\n  ".join(problems))
-    import torch.distributed as dist
-
-    from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
-
-    init_deepspeed_comm(dist.get_backend())  # DeepSpeed's comm wraps torch's
-    groups = with_kv_head_groups(model_cfg, groups)  # collective, so before any stage is built
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries
     topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
@@ -145,7 +141,4 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, 
         stage_parts=explicit_parts(boundaries, len(specs)) if boundaries else None,
         activation_checkpoint_interval=0)
     check_grid_matches(module, groups)
-    for block in module.modules():
-        if isinstance(block, TransformerBlock):
-            block.set_activation_checkpointing(activation_checkpointing)
     return module

@@ -1,0 +1,60 @@
+"""How the model becomes parallel, in two calls that every rank makes in the same order.
+
+1. ``build_groups(config)``: every process group the run communicates over (``ParallelGroups.build``):
+   tensor, pipeline and data groups, the blocks of tensor ranks that share a replicated key/value
+   head (``attention.kv_head_copies``), and DeepSpeed's communication layer.
+2. ``build_model(config, groups)``: this rank's share of the model, creating none of those groups
+   (DeepSpeed's ``PipelineModule`` builds its own grid of them, checked against ours). Tensor
+   parallelism is inside the layers (``parallel.layers``: each rank holds its shard of the
+   projections and embeddings; norms are replicated). At pipeline size 1 that is a ``Transformer``;
+   with a pipeline, this rank's stage of a DeepSpeed ``PipelineModule`` (``model.pipeline``), cut
+   between layers that keep their global number ℓ, so LNS's 1/√ℓ is the same in every layout.
+   Activation checkpointing and ``train.compile`` are applied here, to every ``TransformerBlock``, once.
+
+Data parallelism and ZeRO are DeepSpeed's: ``training.engine.build_engine`` hands the module to
+``deepspeed.initialize``. Weights are drawn per parameter name from ``model.init_seed``, so every
+layout starts from the same model (``model.init``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lnstrain.model.attention import kv_head_copies
+from lnstrain.model.block import TransformerBlock
+from lnstrain.model.transformer import Transformer
+from lnstrain.parallel.groups import ParallelGroups
+
+if TYPE_CHECKING:
+    from lnstrain.config.run_config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def build_groups(config: Config) -> ParallelGroups:
+    """This rank's process groups for ``config``'s layout and model (collective: every rank calls it)."""
+    parallel = config.parallel
+    return ParallelGroups.build(parallel.tensor, parallel.pipeline, parallel.sequence_parallel,
+                                tp_replica_copies=kv_head_copies(config.model, parallel.tensor))
+
+
+def build_model(config: Config, groups: ParallelGroups) -> nn.Module:
+    """This rank's model: a ``Transformer`` at pipeline size 1, else its ``PipelineModule`` stage, with
+    ``config.train``'s activation checkpointing and compilation applied."""
+    if groups.pp_size > 1:
+        from lnstrain.model.pipeline import build_pipeline_module  # imports DeepSpeed's pipeline: seconds
+
+        module = build_pipeline_module(config.model, config.parallel, groups)
+    else:
+        module = Transformer(config.model, groups)
+    blocks = [block for block in module.modules() if isinstance(block, TransformerBlock)]
+    for block in blocks:
+        block.set_activation_checkpointing(config.train.activation_checkpointing)
+    if config.train.compile:
+        logger.info("train.compile: torch.compile compiles each transformer block during the first step")
+        for block in blocks:
+            block.compile()
+    return module
