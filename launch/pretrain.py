@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from lnstrain.training.trainer import pretrain
 
     try:
-        result = pretrain(config, world_size)
+        result = pretrain(config)
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
         print(f"lnstrain: {error}", file=sys.stderr)

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.dir)
     overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null"]
     config = load_config(args.config, overrides, 1, validate=False)
-    engine = build_engine(config, ParallelGroups.build(1, 1), 1)
+    engine = build_engine(config, ParallelGroups.build(1, 1))
     engine.train_step(synthetic_micro_batches(config, engine.accumulation_steps, seed=0))
-    manager = CheckpointManager(config, 1, (1, 1, 1), None, None)
+    manager = CheckpointManager(config, (1, 1, 1), None, None)
 
     plain, checked, finite, warm, cold, sizes = [], [], [], [], [], []
     for repeat in range(args.repeats):

@@ -197,16 +197,17 @@ class CheckpointManager:
 
     Args:
         config: the resolved run config (written into each checkpoint).
-        world_size: number of ranks; ``layout`` is (tensor, pipeline, data) parallel sizes.
+        layout: (tensor, pipeline, data) parallel sizes; their product is the number of ranks.
         data_fingerprint, tokenizer_checksum: this run's, stored and compared on resume.
     """
 
-    def __init__(self, config: Any, world_size: int, layout: tuple[int, int, int],
-                 data_fingerprint: str | None, tokenizer_checksum: str | None) -> None:
+    def __init__(self, config: Any, layout: tuple[int, int, int], data_fingerprint: str | None,
+                 tokenizer_checksum: str | None) -> None:
         self.config = config
         self.directory = Path(config.checkpoint_dir)
-        self.world_size = world_size
         self.layout = layout
+        tensor, pipeline, data = layout
+        self.world_size = tensor * pipeline * data
         self.data_fingerprint = data_fingerprint
         self.tokenizer_checksum = tokenizer_checksum
         self.last_save_time = time.monotonic()

@@ -90,13 +90,13 @@ def check_layout(config: Config, world_size: int) -> None:
         raise ConfigError(problems, "parallel layout")
 
 
-def _check_groups_match(config: Config, groups: ParallelGroups, world_size: int) -> None:
-    expected = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
+def _check_groups_match(config: Config, groups: ParallelGroups) -> None:
+    """The groups must be the config's layout; the data-parallel size, and so the world size, is theirs."""
+    tensor, pipeline = config.parallel.tensor, config.parallel.pipeline
     actual = (groups.tp_size, groups.pp_size, groups.dp_size)
-    if expected != actual:
-        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for "
-                         f"{expected} on {world_size} ranks; build them with ParallelGroups.build("
-                         f"{config.parallel.tensor}, {config.parallel.pipeline})")
+    if actual[:2] != (tensor, pipeline):
+        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for tensor "
+                         f"{tensor} × pipeline {pipeline}; build them with ParallelGroups.build({tensor}, {pipeline})")
 
 
 def _build_module(config: Config, groups: ParallelGroups) -> nn.Module:
@@ -133,14 +133,16 @@ def training_device() -> torch.device:
     return torch.device(name)
 
 
-def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "TrainingEngine":
-    """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``."""
+def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
+    """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``, which
+    must have the config's tensor and pipeline sizes (the world size is theirs)."""
     import deepspeed
 
     from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
 
+    _check_groups_match(config, groups)
+    world_size = groups.world_size
     check_layout(config, world_size)
-    _check_groups_match(config, groups, world_size)
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs torch.distributed initialised (launch with torchrun or "
                            "deepspeed, or lnstrain.testing.distributed.run_distributed)")

@@ -1,9 +1,10 @@
 """The training loop: data -> engine steps -> logging, evaluation, checkpoints, clean stops.
 
-``pretrain(config, world_size)`` runs on every rank after ``torch.distributed`` is initialised (the
-launcher does that; tests use ``lnstrain.testing.run_distributed``). The data position is the global
-number of consumed samples: step ``s`` always trains on global batch ``s`` of the training set, so
-a resumed run sees exactly the batches the uninterrupted run would have seen.
+``pretrain(config)`` runs on every rank after ``torch.distributed`` is initialised (the launcher does
+that; tests use ``lnstrain.testing.run_distributed``); the world size is torch.distributed's. The
+data position is the global number of consumed samples: step ``s`` always trains on global batch
+``s`` of the training set, so a resumed run sees exactly the batches the uninterrupted run would
+have seen.
 """
 
 from __future__ import annotations
@@ -78,17 +79,16 @@ def _depth_stats_collector(config: Config, engine: Any, groups: ParallelGroups):
 class Trainer:
     """One run on this rank: owns the engine, the datasets, the checkpoint manager and the loggers."""
 
-    def __init__(self, config: Config, world_size: int) -> None:
+    def __init__(self, config: Config) -> None:
         self.started = time.monotonic()  # train.exit_after_minutes counts from here
         self.config = config
-        self.world_size = world_size
         self.rank = dist.get_rank()
         par = config.parallel
         self.groups = ParallelGroups.build(par.tensor, par.pipeline, par.sequence_parallel)
         seed_everything(config.train.seed + 100 * self.groups.pp_rank)  # tp/dp peers share dropout seeds
         self.global_batch = config.train.global_batch_size
         self.micro_batch = config.train.micro_batch_size
-        self.accumulation = config.grad_accumulation_steps(world_size)
+        self.accumulation = config.grad_accumulation_steps(self.groups.world_size)
         self.total_steps = config.total_steps
         if self.rank == 0:
             config.save(config.run.dir / "config.yaml")
@@ -101,10 +101,9 @@ class Trainer:
 
         from lnstrain.training.engine import build_engine
 
-        self.engine = build_engine(config, self.groups, world_size)
-        self.checkpoints = CheckpointManager(
-            config, world_size, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
-            data_fingerprint(config.data), tokenizer_checksum(config))
+        self.engine = build_engine(config, self.groups)
+        self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
+                                             data_fingerprint(config.data), tokenizer_checksum(config))
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=config.run.dir / "tensorboard" if config.logging.tensorboard else None)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
@@ -286,6 +285,6 @@ class Trainer:
                 self.guard.remove()
 
 
-def pretrain(config: Config, world_size: int, stop_at_step: int | None = None) -> TrainingResult:
+def pretrain(config: Config, stop_at_step: int | None = None) -> TrainingResult:
     """Train ``config`` on this rank (collective: every rank of the world calls it)."""
-    return Trainer(config, world_size).train(stop_at_step)
+    return Trainer(config).train(stop_at_step)

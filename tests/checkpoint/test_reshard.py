@@ -71,7 +71,7 @@ def reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
     from lnstrain.training.trainer import Trainer, pretrain
 
     straight_config = _config(corpus, root / "straight", SOURCE_LAYOUT, world_size)
-    straight = pretrain(straight_config, world_size)
+    straight = pretrain(straight_config)
     step_dir = saved_step_dir(straight_config)
 
     class ReshardingTrainer(Trainer):
@@ -83,7 +83,7 @@ def reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
         name = f"tp{layout[0]}_pp{layout[1]}"
         config = _config(corpus, root / name, layout, world_size,
                          ["checkpoint.interval_steps=0", "checkpoint.save_at_end=false"])
-        trainer = ReshardingTrainer(config, world_size)
+        trainer = ReshardingTrainer(config)
         load_resharded(trainer.engine, step_dir)
         batch = _fixed_batch(config.model.vocab_size, trainer.engine.accumulation_steps)
         reference_loss, reference_logits = _reference_outputs(step_dir, batch)

@@ -47,7 +47,7 @@ def train_schemes(rank: int, world_size: int, dtype: str, steps: int) -> dict[st
     for scheme in SCHEMES:
         config = with_norm_scheme(make_config(Layout(scheme, zero_stage=1, dtype=dtype), steps=steps), scheme)
         groups = ParallelGroups.build(1, 1)
-        engine = build_engine(config, groups, world_size)
+        engine = build_engine(config, groups)
         gradients: dict[str, torch.Tensor] = {}
 
         def capture() -> None:

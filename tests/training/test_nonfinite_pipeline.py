@@ -115,7 +115,7 @@ def run_pipeline_policies(rank: int, world_size: int, corpus: TinyCorpus, root: 
 
     def train(name: str, *extra: str, poisoned: bool = True) -> dict:
         overrides = tiny_run_overrides(corpus, root / name) + PIPELINE + [f"parallel.zero_stage={zero_stage}", *extra]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         if poisoned:
             POISONS[poison](trainer, POISONED_SAMPLE)
         changed, verdicts = _watch_steps(trainer)

@@ -56,7 +56,7 @@ def nan_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path,
     results = {}
     for name, policy, where, at_step, on_rank in runs:
         overrides = tiny_run_overrides(corpus, root / name) + RUN + [f"train.nonfinite_policy={policy}"]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         inject(trainer, where, at_step, on_rank)
         results[name] = trainer.train()
     return results
