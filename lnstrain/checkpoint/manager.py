@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -35,6 +35,9 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_F
                                           step_dir_name, step_of, write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.write_errors import explains_write_failures
+
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +228,7 @@ class CheckpointManager:
             skipped_batches=position.skipped_batches)
 
     @explains_write_failures  # no space, no permission: CheckpointWriteError names the path and the free space
-    def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path | None:
+    def save(self, engine: TrainingEngine, position: TrainingPosition) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
 
         Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
@@ -233,7 +236,7 @@ class CheckpointManager:
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
-        nonfinite = nonfinite_state(deepspeed_engine)
+        nonfinite = nonfinite_state(engine)
         if nonfinite:
             shown = "; ".join(nonfinite[:5]) + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else "")
             logger.error("NOT saving %s: the weights or optimizer state are not finite (%s); latest still names "
@@ -247,10 +250,9 @@ class CheckpointManager:
                 save_points.reached("stale step directory marked incomplete", step_dir)
                 shutil.rmtree(step_dir)
         _barrier()
-        with recording_deepspeed_files(deepspeed_engine, step_dir, rank) as records, \
-                save_points.around_deepspeed_files(deepspeed_engine):
-            deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
-                                             client_state={"lnstrain_position": vars(position)})
+        with recording_deepspeed_files(engine.checkpoint_files, step_dir, rank) as records, \
+                save_points.around_deepspeed_files(engine.checkpoint_files):
+            engine.save_checkpoint(step_dir, client_state={"lnstrain_position": vars(position)})
         save_rng_state(step_dir, rank)
         save_points.reached("RNG state written", step_dir)
         own_files = [rng_file(step_dir, rank)]
@@ -310,14 +312,14 @@ class CheckpointManager:
             skipped += verdict.corrupt
         return None, skipped
 
-    def load(self, deepspeed_engine: Any, step_dir: Path) -> TrainingPosition:
-        """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
+    def load(self, engine: TrainingEngine, step_dir: Path) -> TrainingPosition:
+        """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir`` (saved at
+        this layout)."""
         metadata = read_metadata(step_dir)
         self.check_same_data(step_dir)
-        with loading_safely(deepspeed_engine, self.config.checkpoint.allow_pickle):
-            load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
-                                                            load_optimizer_states=True, load_lr_scheduler_states=True)
-        if load_path is None:
+        with loading_safely(engine.checkpoint_files, self.config.checkpoint.allow_pickle):
+            loaded = engine.load_checkpoint(step_dir)
+        if not loaded:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
         rank = _global_rank()
         rng_state = load_rng_state(step_dir, rank)

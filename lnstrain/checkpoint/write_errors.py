@@ -89,9 +89,9 @@ def explains_write_failures(save: Callable[..., Path]) -> Callable[..., Path]:
     """Wrap ``CheckpointManager.save`` so that a write failure raises ``CheckpointWriteError``."""
 
     @functools.wraps(save)
-    def save_or_explain(manager: Any, deepspeed_engine: Any, position: Any) -> Path:
+    def save_or_explain(manager: Any, engine: Any, position: Any) -> Path:
         try:
-            return save(manager, deepspeed_engine, position)
+            return save(manager, engine, position)
         except (OSError, RuntimeError) as error:
             if isinstance(error, CheckpointWriteError) or not is_write_failure(error):
                 raise

@@ -96,7 +96,7 @@ class NonFiniteRecovery:
         if step_dir is None:
             return None
         self.rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])
-        restored = self.checkpoints.load(self.engine.engine, step_dir)
+        restored = self.checkpoints.load(self.engine, step_dir)
         ranges = {tuple(r) for r in restored.skipped_sample_ranges + self.rolled_back_ranges}
         restored.skipped_sample_ranges = [list(r) for r in sorted(ranges)]
         # the counters keep what happened since; the jump over the failed batch counts it as skipped

@@ -17,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from lnstrain.training.preflight import tokenizer_checksum
 from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
 from lnstrain.training.signals import StopController
+
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _depth_stats_collector(config: Config, engine: Any, groups: ParallelGroups):
+def _depth_stats_collector(config: Config, engine: TrainingEngine, groups: ParallelGroups):
     """Per-layer statistics every ``logging.depth_stats_interval`` steps, when asked for and available."""
     if config.logging.depth_stats_interval <= 0:
         return None
@@ -109,9 +112,7 @@ class Trainer:
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
-            deepspeed_optimizer = self.engine.engine.optimizer
-            self.guard = NonFiniteGuard(self.engine.module, getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer),
-                                        self.engine.device)
+            self.guard = NonFiniteGuard(self.engine.module, self.engine.base_optimizer, self.engine.device)
         self.spikes = LossSpikeDetector(config.train.spike_window, config.train.spike_zscore)
         self.recovery = NonFiniteRecovery(config, self.engine, self.checkpoints)
         self._micro_batches = None
@@ -130,7 +131,7 @@ class Trainer:
     def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
         """The checkpoint written, or None when the state was not finite and nothing was saved."""
         started = time.monotonic()
-        path = self.checkpoints.save(self.engine.engine, position)
+        path = self.checkpoints.save(self.engine, position)
         stop.record_save(time.monotonic() - started)
         return str(path) if path is not None else None
 

@@ -54,7 +54,7 @@ def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path
                                       perturbed_model(config.model).state_dict())
         initialize_from(training, init_file)  # what checkpoint.init_from does
         manager = CheckpointManager(config, (groups.tp_size, groups.pp_size, groups.dp_size), None, None)
-        saved[case] = str(manager.save(training.engine, TrainingPosition(step=1, consumed_samples=8)))
+        saved[case] = str(manager.save(training, TrainingPosition(step=1, consumed_samples=8)))
     return saved
 
 

@@ -56,7 +56,7 @@ def _layout_logits(training_engine, batch: list[dict], vocab_size: int) -> torch
     import torch.distributed as dist
 
     groups = training_engine.groups
-    training_engine.engine.eval()
+    training_engine.module.eval()
     with torch.no_grad():
         local = training_engine.module(batch[0]["tokens"][:, :-1])
     if groups.tp_size > 1:

@@ -64,7 +64,7 @@ def _engine_state(training_engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _adam_steps(training_engine) -> set[int]:
-    base = training_engine.engine.optimizer.optimizer
+    base = training_engine.base_optimizer
     return {int(group_state["step"]) for group_state in base.state.values()}
 
 
@@ -98,7 +98,7 @@ def bf16_reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path
     saved = _engine_state(source.engine)
     step_dir = saved_step_dir(source_config)
     results = {"straight": straight.losses, "first_steps": first_steps,
-               "source_optimizer": type(source.engine.engine.optimizer).__name__,
+               "source_optimizer": type(source.engine._deepspeed.optimizer).__name__,
                "files": sorted(path.name for path in step_dir.iterdir()), "parameters": sorted(saved["master"]),
                "layouts": {}}
 

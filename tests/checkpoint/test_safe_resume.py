@@ -83,7 +83,7 @@ def every_file_kind(rank: int, world_size: int, corpus: TinyCorpus, root: Path, 
         name = path.relative_to(step_dir).as_posix()
         copies[name] = copy = tampered_copy(step_dir, root / f"tampered_{index}", name, Payload(marker))
         verified = refusal(lambda: trainer.checkpoints.verified_checkpoint(copy, fall_back=True))
-        loaded = refusal(lambda: trainer.checkpoints.load(trainer.engine.engine, copy))
+        loaded = refusal(lambda: trainer.checkpoints.load(trainer.engine, copy))
         refusals[name] = (str(copy / name), verified, loaded)
     if zero_stage == 3:  # the resharding path reads ZeRO-3 files through DeepSpeed's zero_to_fp32
         from lnstrain.checkpoint.layouts import read_full_state

@@ -60,7 +60,7 @@ def train_schemes(rank: int, world_size: int, dtype: str, steps: int) -> dict[st
         results[scheme] = {
             "losses": [s.loss for s in steps_taken], "grad_norms": [s.grad_norm for s in steps_taken],
             "gradients": gradients, "weights": (weight.device.type, str(weight.dtype)),
-            "fused": [group.get("fused") for group in innermost_optimizer(engine.engine.optimizer).param_groups]}
+            "fused": [group.get("fused") for group in innermost_optimizer(engine._deepspeed.optimizer).param_groups]}
     return results
 
 

@@ -91,8 +91,9 @@ def _train(config, batches_for_step) -> dict:
 
     engine = build_engine(config, ParallelGroups.build(1, 1, False))
     losses = [engine.train_step(batches_for_step(step)).loss for step in range(STEPS)]
-    return {"optimizer": type(engine.engine.optimizer).__name__, "losses": losses,
-            "data_types": [str(t) for t in engine.engine.get_data_types()],
+    deepspeed_engine = engine._deepspeed  # which wrapper and data types DeepSpeed chose: its own state
+    return {"optimizer": type(deepspeed_engine.optimizer).__name__, "losses": losses,
+            "data_types": [str(t) for t in deepspeed_engine.get_data_types()],
             "weights": str(next(engine.module.parameters()).dtype)}
 
 
