@@ -59,6 +59,15 @@ class TrainingResult:
     rollbacks: list[str] = field(default_factory=list)
     """One entry per rollback: the checkpoint reloaded."""
 
+    def record_rollback(self, checkpoint: Path, restored: TrainingPosition) -> None:
+        """Training goes on from ``restored``: forget the losses of later steps (the replay records
+        them again) and note the checkpoint reloaded."""
+        for steps in (self.losses, self.eval_losses):
+            for step in [s for s in steps if s > restored.step]:
+                del steps[step]
+        self.rollbacks.append(str(checkpoint))
+        self.position = restored
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -242,13 +251,14 @@ class Trainer:
                     seconds, nonfinite = 0.0, False
                 else:
                     seconds, nonfinite = self._step(self._next_batch(position), position, result)
-                verdict = self.recovery.after_step(nonfinite, position, result)
+                verdict = self.recovery.after_step(nonfinite, position)
                 if verdict.restored is not None:
-                    position = result.position = verdict.restored
+                    result.record_rollback(verdict.rolled_back_to, verdict.restored)
+                    position = result.position
                     continue
                 if verdict.stop:
                     result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
-                    result.stop_reason = self.recovery.stop_reason(position, result)
+                    result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
