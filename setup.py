@@ -31,7 +31,8 @@ setup(
     packages=find_packages(include=["lnstrain", "lnstrain.*"]),
     install_requires=[
         "torch>=2.3",
-        "deepspeed>=0.14",
+        # lnstrain.deepspeed_adapter uses DeepSpeed internals, tested on 0.19 only
+        "deepspeed>=0.19,<0.20",
         "sentencepiece>=0.1.99",
         "numpy>=1.24",
         "tensorboard>=2.12",

@@ -158,9 +158,9 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
                 "; waiting for every rank" if world_size > 1 else "")
     name_cpu_accelerator_if_no_cuda()  # before DeepSpeed's first import, which would warn otherwise
     if verbose:
-        from deepspeed.utils.logging import set_log_level_from_string
+        from lnstrain.deepspeed_adapter import set_log_level
 
-        set_log_level_from_string("info")
+        set_log_level("info")
     try:
         init_deepspeed_comm(backend, datetime.timedelta(minutes=timeout_minutes))
     except RuntimeError as error:  # torch's DistNetworkError
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from lnstrain.training.trainer import pretrain
 
     try:
-        result = pretrain(config, world_size)
+        result = pretrain(config)
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
         if rank == 0 or not error.agreed:  # an agreed failure: every rank holds the same message

@@ -133,7 +133,7 @@ def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torc
     accumulation = spec.config.grad_accumulation_steps(world_size)
     batches = synthetic_micro_batches(spec.config, accumulation, rank_seed)
     if spec.kind == "engine":
-        return EngineRunner(spec.name, spec.config, world_size, batches, device)
+        return EngineRunner(spec.name, spec.config, batches, device)
     if spec.kind == "model":
         return ModelRunner(spec.name, spec.config, device, batches)
     return HFRunner(spec.name, spec.config, device, batches)

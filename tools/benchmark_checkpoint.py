@@ -79,23 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.dir)
     overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null"]
     config = load_config(args.config, overrides, 1, validate=False)
-    engine = build_engine(config, ParallelGroups.build(1, 1), 1)
+    engine = build_engine(config, ParallelGroups.build(1, 1))
     engine.train_step(synthetic_micro_batches(config, engine.accumulation_steps, seed=0))
-    manager = CheckpointManager(config, 1, (1, 1, 1), None, None)
+    manager = CheckpointManager(config, (1, 1, 1), None, None)
 
     plain, checked, finite, warm, cold, sizes = [], [], [], [], [], []
     for repeat in range(args.repeats):
         plain_dir = directory / f"plain{repeat}"
 
         def plain_save() -> None:
-            engine.engine.save_checkpoint(str(directory), tag=plain_dir.name, save_latest=False)
+            engine.save_checkpoint(plain_dir)
             fsync_tree(plain_dir)
 
         plain.append(timed(plain_save))
         shutil.rmtree(plain_dir)
-        checked.append(timed(lambda: manager.save(engine.engine, TrainingPosition(step=repeat + 1))))
+        checked.append(timed(lambda: manager.save(engine, TrainingPosition(step=repeat + 1))))
         step_dir = directory / f"global_step{repeat + 1}"
-        finite.append(timed(lambda: nonfinite_state(engine.engine)))
+        finite.append(timed(lambda: nonfinite_state(engine)))
         warm.append(timed(lambda: check_step_dir(step_dir)))
         drop_cached_pages(step_dir)
         cold.append(timed(lambda: check_step_dir(step_dir)))

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lnstrain.deepspeed_adapter import full_gradient
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.norm_schemes import Placement
 
@@ -94,17 +95,6 @@ def _in_backward() -> bool:
 
 def _sum_squares(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().pow(2).sum().double()
-
-
-def _full_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """The parameter's complete gradient (this tensor rank's shard). Under ZeRO and DeepSpeed's
-    bf16 optimizer the gradient lives in partitions: `safe_get_full_grad` assembles it with a
-    collective over the data-parallel group, so every data-parallel rank must ask for it."""
-    if param.grad is not None and getattr(param, "_hp_grad", None) is None:
-        return param.grad
-    from deepspeed.utils import safe_get_full_grad
-
-    return safe_get_full_grad(param)
 
 
 class DepthStatsCollector:
@@ -225,7 +215,7 @@ class DepthStatsCollector:
             for param in block.parameters():
                 if not param.requires_grad:
                     continue
-                grad = _full_grad(param)
+                grad = full_gradient(param)  # collective under ZeRO/bf16: every data-parallel rank asks
                 counted = getattr(param, "tensor_model_parallel", False) or self.groups.tp_rank == 0
                 if grad is not None and counted and counts_on_dp:
                     total += _sum_squares(grad)

@@ -81,7 +81,7 @@ def _measure_on_rank(rank: int, world_size: int, path: str, point: MatrixPoint, 
     from lnstrain.benchmark.phase_memory import measure_step_memory
 
     torch.set_num_threads(threads)
-    measured = measure_step_memory(point_config(path, point, shape), world_size, steps=3)
+    measured = measure_step_memory(point_config(path, point, shape), steps=3)
     return measured.peak, measured.phase_peaks
 
 

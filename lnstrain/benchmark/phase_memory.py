@@ -73,7 +73,7 @@ class StepMemory:
         return max(self.phase_peaks.values())
 
 
-def measure_step_memory(config: Config, world_size: int, steps: int = 3) -> StepMemory:
+def measure_step_memory(config: Config, steps: int = 3) -> StepMemory:
     """Build ``config``'s engine on this rank under ``PhaseMemory`` and take ``steps`` steps on
     synthetic tokens (``steps`` >= 2: the first is not steady)."""
     from lnstrain.benchmark.runners import synthetic_micro_batches
@@ -85,9 +85,9 @@ def measure_step_memory(config: Config, world_size: int, steps: int = 3) -> Step
     tracker = PhaseMemory()
     with tracker:
         groups = build_groups(config)
-        engine = build_engine(config, groups, world_size)
+        engine = build_engine(config, groups)
         engine.module.register_forward_pre_hook(lambda _module, _args: tracker.enter("forward"))
-        micro_batches = synthetic_micro_batches(config, config.grad_accumulation_steps(world_size), groups.dp_rank)
+        micro_batches = synthetic_micro_batches(config, engine.accumulation_steps, groups.dp_rank)
         first_step_peak = 0
         for index in range(steps):
             tracker.start_step()

@@ -3,7 +3,7 @@
 Every runner trains on the same fixed random batch (``synthetic_micro_batches``): the data
 pipeline is not part of the step (``tools/benchmark_data.py`` measures it). Kinds:
 
-* ``engine``: the real lnstrain path, ``build_engine(config, groups, world_size).train_step`` (DeepSpeed,
+* ``engine``: the real lnstrain path, ``build_engine(config, groups).train_step`` (DeepSpeed,
   our optimizer, our clipping, any parallel layout).
 * ``model``: the lnstrain ``Transformer`` with torch's AdamW and plain forward/backward/step, exactly
   as the Hugging Face baseline (``hf_baseline``) is driven, so the two compare models, not engines.
@@ -156,13 +156,13 @@ class EngineRunner(StepRunner):
 
     kind = "engine"
 
-    def __init__(self, name: str, config: Config, world_size: int, micro_batches: list[dict[str, torch.Tensor]],
+    def __init__(self, name: str, config: Config, micro_batches: list[dict[str, torch.Tensor]],
                  device: torch.device) -> None:
         from lnstrain.training.engine import build_engine
 
         ensure_process_group(device)
         groups = build_groups(config)
-        self.engine = build_engine(config, groups, world_size)
+        self.engine = build_engine(config, groups)
         super().__init__(name, self.engine.device)
         self.micro_batches = micro_batches
 

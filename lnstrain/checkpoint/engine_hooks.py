@@ -1,6 +1,7 @@
 """Replacing one method of a DeepSpeed engine's ``checkpoint_engine`` for the duration of a save or load.
 
-DeepSpeed writes and reads every checkpoint file through ``engine.checkpoint_engine.save``/``.load``;
+DeepSpeed writes and reads every checkpoint file through its engine's ``checkpoint_engine.save``/``.load``
+(``TrainingEngine.checkpoint_files``);
 lnstrain hashes what is written (``integrity``), loads safely (``safe_load``) and, in tests, stops at
 save points (``save_points``) by replacing those methods on the instance. Replacements nest: each
 restores what it replaced.
@@ -12,16 +13,18 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lnstrain.deepspeed_adapter import CheckpointFileIO
+
 
 @contextlib.contextmanager
-def replaced(checkpoint_engine: Any, method: str, replacement: Callable[..., Any]) -> Iterator[None]:
-    """``checkpoint_engine.<method>`` is ``replacement`` inside the block, what it was after it."""
-    previous = checkpoint_engine.__dict__.get(method)  # an enclosing replacement, if any
-    setattr(checkpoint_engine, method, replacement)
+def replaced(file_io: CheckpointFileIO, method: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``file_io.<method>`` is ``replacement`` inside the block, what it was after it."""
+    previous = file_io.__dict__.get(method)  # an enclosing replacement, if any
+    setattr(file_io, method, replacement)
     try:
         yield
     finally:
         if previous is None:
-            delattr(checkpoint_engine, method)  # back to the class's method
+            delattr(file_io, method)  # back to the class's method
         else:
-            setattr(checkpoint_engine, method, previous)
+            setattr(file_io, method, previous)

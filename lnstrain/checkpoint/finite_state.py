@@ -12,22 +12,24 @@ one read of the rank's state in memory; the save itself writes all of it to disk
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from lnstrain.deepspeed_adapter import local_partition
+
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
+
 _CHUNK_ELEMENTS = 1 << 26
 
 
-def _state_tensors(deepspeed_engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _state_tensors(engine: TrainingEngine) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every floating-point tensor of this rank's weights and optimizer state."""
-    for name, param in deepspeed_engine.module.named_parameters():
-        yield f"parameter {name}", getattr(param, "ds_tensor", param)  # ZeRO-3: the local partition
-    optimizer = deepspeed_engine.optimizer
-    base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO/bf16/fp16 wrappers hold the torch one
-    if base is None:
-        return
+    for name, param in engine.module.named_parameters():
+        yield f"parameter {name}", local_partition(param)
+    base = engine.base_optimizer  # under ZeRO/bf16/fp16 it holds the fp32 masters
     for g, group in enumerate(base.param_groups):
         for i, param in enumerate(group["params"]):
             yield f"optimizer parameter {i} of group {g}", param
@@ -48,11 +50,11 @@ def _is_finite(tensor: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.detach().reshape(-1).split(_CHUNK_ELEMENTS))
 
 
-def local_nonfinite(deepspeed_engine: Any) -> list[str]:
+def local_nonfinite(engine: TrainingEngine) -> list[str]:
     """Names of this rank's non-finite state tensors (empty: all finite). One host sync when finite."""
-    device = torch.device(deepspeed_engine.device)
+    device = torch.device(engine.device)
     finite = torch.ones((), dtype=torch.bool, device=device)
-    tensors = [(name, t) for name, t in _state_tensors(deepspeed_engine) if t.is_floating_point() and t.numel()]
+    tensors = [(name, t) for name, t in _state_tensors(engine) if t.is_floating_point() and t.numel()]
     for _, tensor in tensors:
         finite &= _sum_is_finite(tensor).to(device)
     if bool(finite.item()):
@@ -60,13 +62,13 @@ def local_nonfinite(deepspeed_engine: Any) -> list[str]:
     return [name for name, tensor in tensors if not bool(_sum_is_finite(tensor)) and not _is_finite(tensor)]
 
 
-def nonfinite_state(deepspeed_engine: Any) -> list[str]:
+def nonfinite_state(engine: TrainingEngine) -> list[str]:
     """Collective (every rank calls it): the non-finite state tensors of every rank, as
     ``rank R: <name>`` lines, the same list on every rank; empty when everything is finite."""
-    local = local_nonfinite(deepspeed_engine)
+    local = local_nonfinite(engine)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return [f"rank 0: {name}" for name in local]
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=torch.device(deepspeed_engine.device))
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=torch.device(engine.device))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not flag.item():
         return []

@@ -31,6 +31,7 @@ import torch
 from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, RNG_DIR
 from lnstrain.checkpoint.safe_load import unsafe_globals
+from lnstrain.deepspeed_adapter import CheckpointFileIO, torch_save_zip_format
 
 CHECKSUM = "sha256"
 MARKER_FORMAT = 2
@@ -106,20 +107,20 @@ def relative_name(step_dir: Path, path: str | os.PathLike) -> str | None:
 
 
 @contextlib.contextmanager
-def recording_deepspeed_files(deepspeed_engine: Any, step_dir: Path, rank: int) -> Iterator[dict[str, FileRecord]]:
-    """While DeepSpeed's ``save_checkpoint`` runs, record every file it writes under ``step_dir``.
+def recording_deepspeed_files(file_io: CheckpointFileIO, step_dir: Path,
+                              rank: int) -> Iterator[dict[str, FileRecord]]:
+    """While DeepSpeed's ``save_checkpoint`` runs, record every file it writes through ``file_io``
+    (``TrainingEngine.checkpoint_files``) under ``step_dir``.
 
     With DeepSpeed's torch checkpoint engine each file is written through ``ChecksumWriter`` (the
     same ``torch.save`` call, to a stream instead of a path); any other checkpoint engine writes as
     it does, and its files are read back afterwards.
     """
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-    checkpoint_engine = deepspeed_engine.checkpoint_engine
     records: dict[str, FileRecord] = {}
     written: list[str] = []
-    original = checkpoint_engine.save
-    streams = type(checkpoint_engine) is TorchCheckpointEngine
+    original = file_io.save
+    zip_format = torch_save_zip_format(file_io)
+    streams = zip_format is not None
 
     def save(state_dict: Any, path: str) -> None:
         name = relative_name(step_dir, path)
@@ -131,13 +132,13 @@ def recording_deepspeed_files(deepspeed_engine: Any, step_dir: Path, rank: int) 
         with open(path, "wb") as raw:
             writer = ChecksumWriter(raw)
             try:
-                torch.save(state_dict, writer, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+                torch.save(state_dict, writer, _use_new_zipfile_serialization=zip_format)
             finally:
                 writer.close()
         if name is not None:
             records[name] = writer.record(rank)
 
-    with replaced(checkpoint_engine, "save", save):
+    with replaced(file_io, "save", save):
         yield records
     for path in written:
         records[relative_name(step_dir, path)] = file_record(path, rank)

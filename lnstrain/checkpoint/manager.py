@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -35,6 +35,9 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_F
                                           step_dir_name, step_of, write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
+
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -187,28 +190,22 @@ def verify_collectively(step_dir: Path, checksums: bool = True) -> Verdict:
     return verdict
 
 
-def _bf16_optimizer_without_zero(deepspeed_engine: Any) -> bool:
-    """DeepSpeed's ``BF16_Optimizer`` at ZeRO stage 0 (bf16 with pipeline parallelism)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    return isinstance(deepspeed_engine.optimizer, BF16_Optimizer) and not deepspeed_engine.zero_optimization()
-
-
 class CheckpointManager:
     """Saves and loads this run's checkpoints under ``config.checkpoint_dir``.
 
     Args:
         config: the resolved run config (written into each checkpoint).
-        world_size: number of ranks; ``layout`` is (tensor, pipeline, data) parallel sizes.
+        layout: (tensor, pipeline, data) parallel sizes; their product is the number of ranks.
         data_fingerprint, tokenizer_checksum: this run's, stored and compared on resume.
     """
 
-    def __init__(self, config: Any, world_size: int, layout: tuple[int, int, int],
-                 data_fingerprint: str | None, tokenizer_checksum: str | None) -> None:
+    def __init__(self, config: Any, layout: tuple[int, int, int], data_fingerprint: str | None,
+                 tokenizer_checksum: str | None) -> None:
         self.config = config
         self.directory = Path(config.checkpoint_dir)
-        self.world_size = world_size
         self.layout = layout
+        tensor, pipeline, data = layout
+        self.world_size = tensor * pipeline * data
         self.data_fingerprint = data_fingerprint
         self.tokenizer_checksum = tokenizer_checksum
         self.last_save_time = time.monotonic()
@@ -225,7 +222,7 @@ class CheckpointManager:
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
             skipped_batches=position.skipped_batches)
 
-    def save(self, deepspeed_engine: Any, position: TrainingPosition) -> Path | None:
+    def save(self, engine: TrainingEngine, position: TrainingPosition) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
 
         Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
@@ -233,7 +230,7 @@ class CheckpointManager:
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
-        nonfinite = nonfinite_state(deepspeed_engine)
+        nonfinite = nonfinite_state(engine)
         if nonfinite:
             shown = "; ".join(nonfinite[:5]) + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else "")
             logger.error("NOT saving %s: the weights or optimizer state are not finite (%s); latest still names "
@@ -249,11 +246,10 @@ class CheckpointManager:
                     save_points.reached("stale step directory marked incomplete", step_dir)
                     shutil.rmtree(step_dir)
         self._agree(held, step_dir)
-        with recording_deepspeed_files(deepspeed_engine, step_dir, rank) as records, \
-                save_points.around_deepspeed_files(deepspeed_engine), \
-                holding_deepspeed_failures(deepspeed_engine, held):
-            deepspeed_engine.save_checkpoint(str(self.directory), tag=step_dir.name, save_latest=False,
-                                             client_state={"lnstrain_position": vars(position)})
+        with recording_deepspeed_files(engine.checkpoint_files, step_dir, rank) as records, \
+                save_points.around_deepspeed_files(engine.checkpoint_files), \
+                holding_deepspeed_failures(engine.checkpoint_files, held):
+            engine.save_checkpoint(step_dir, client_state={"lnstrain_position": vars(position)})
         if held.error is None:
             with held.catching():
                 self._write_own_files(step_dir, rank, position, records)
@@ -333,21 +329,14 @@ class CheckpointManager:
             skipped += verdict.corrupt
         return None, skipped
 
-    def load(self, deepspeed_engine: Any, step_dir: Path) -> TrainingPosition:
-        """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir``."""
+    def load(self, engine: TrainingEngine, step_dir: Path) -> TrainingPosition:
+        """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir`` (saved at
+        this layout)."""
         metadata = read_metadata(step_dir)
         self.check_same_data(step_dir)
-        optimizer_in_partition_files = _bf16_optimizer_without_zero(deepspeed_engine)
-        with loading_safely(deepspeed_engine, self.config.checkpoint.allow_pickle):
-            load_path, _ = deepspeed_engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
-                                                            load_optimizer_states=not optimizer_in_partition_files,
-                                                            load_lr_scheduler_states=True)
-            if load_path is not None and optimizer_in_partition_files:
-                # DeepSpeed saves this optimizer's state (fp32 masters, Adam moments) in its per-rank
-                # partition files, but with ZeRO off reads it back from the model file, as one dict
-                # that its loader indexes by data-parallel rank (KeyError: 0): read the partition files.
-                deepspeed_engine._load_zero_checkpoint(str(step_dir.parent), step_dir.name, load_optimizer_states=True)
-        if load_path is None:
+        with loading_safely(engine.checkpoint_files, self.config.checkpoint.allow_pickle):
+            loaded = engine.load_checkpoint(step_dir)
+        if not loaded:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
         rank = _global_rank()
         rng_state = load_rng_state(step_dir, rank)

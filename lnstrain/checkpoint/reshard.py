@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +28,10 @@ from lnstrain.checkpoint.layouts import MOMENT_KEYS, FullState, read_full_state,
 from lnstrain.checkpoint.manager import TrainingPosition
 from lnstrain.checkpoint.metadata import read_metadata
 from lnstrain.checkpoint.sharding import check_full_state_dict, local_shards
+from lnstrain.deepspeed_adapter import has_fp32_fragment, set_full_fp32_param, set_full_optimizer_state
+
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +55,9 @@ def reshard_problems(step_dir: str | Path, layout: tuple[int, int, int], fresh_o
             "the weights, schedule and data position and fresh optimizer moments"]
 
 
-def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
-    optimizer = engine.optimizer
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _prime_optimizer_state(engine: Any, step: int) -> None:
+def _prime_optimizer_state(base: torch.optim.Optimizer, step: int) -> None:
     """Give every flat (or plain) parameter of the torch optimizer Adam state at ``step``, so that
-    DeepSpeed's per-parameter views of the moments exist before the first step."""
-    base = _base_optimizer(engine)
+    DeepSpeed's per-parameter views of the moments exist before the first step (relink them after)."""
     for group in base.param_groups:
         # torch's own rule: fused and capturable kernels read the step on the parameter's device
         # (fused CUDA AdamW refuses a CPU step), the others keep it on the CPU.
@@ -70,43 +68,39 @@ def _prime_optimizer_state(engine: Any, step: int) -> None:
                                          device=flat.device if step_on_param_device else "cpu")
             for key in MOMENT_KEYS:
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-    wrapper = engine.optimizer
-    if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
-        wrapper._hp_optimizer_states_linked = False
-        wrapper._lazy_init_hp_params_optimizer_state()
 
 
-def apply_full_state(engine: Any, module: torch.nn.Module, state: FullState, model_cfg,
-                     require_optimizer_state: bool = True, source: str = "checkpoint") -> None:
-    """Load full weights (and moments) into this rank's DeepSpeed engine, whatever its layout."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    check_full_state_dict(state.weights, model_cfg, source)
+def apply_full_state(engine: TrainingEngine, state: FullState, require_optimizer_state: bool = True,
+                     source: str = "checkpoint") -> None:
+    """Load full weights (and moments) into this rank's engine, whatever its layout."""
+    module = engine.module
+    check_full_state_dict(state.weights, engine.config.model, source)
     carry_moments = bool(state.moments) and state.optimizer_step is not None
     if require_optimizer_state and not carry_moments:
         raise ValueError(f"{source} has no Adam moments this reader can recover (ZeRO-0 or ZeRO-3 source); "
                          "resume with weights only by passing require_optimizer_state=False")
+    base = engine.base_optimizer
     if carry_moments:
-        _prime_optimizer_state(engine, state.optimizer_step)
-    base = _base_optimizer(engine)
+        _prime_optimizer_state(base, state.optimizer_step)
+        engine.relink_optimizer_state()
     moments = ({key: {name: shard for name, _, shard in local_shards(module, state.moments[key])}
                 for key in MOMENT_KEYS} if carry_moments else {})
     with torch.no_grad():
         for name, param, shard in local_shards(module, state.weights):
             param.copy_(shard.to(param.dtype))
-            safe_set_full_fp32_param(param, shard)
+            set_full_fp32_param(param, shard)
             for key in moments:
                 value = moments[key][name]
-                if hasattr(param, "_hp_mapping"):
-                    safe_set_full_optimizer_state(param, value, key)
+                if has_fp32_fragment(param):
+                    set_full_optimizer_state(param, value, key)
                 elif param in base.state:  # no ZeRO wrapper: the torch optimizer holds the parameter
                     base.state[param][key].copy_(value)
 
 
-def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer_state: bool = True,
+def load_resharded(training_engine: TrainingEngine, step_dir: str | Path, require_optimizer_state: bool = True,
                    allow_pickle: bool = False) -> TrainingPosition:
-    """Restore ``step_dir`` (saved at any layout) into ``training_engine`` (a ``TrainingEngine`` at
-    this run's layout): weights, optimizer, schedule, step counters; returns the data position.
+    """Restore ``step_dir`` (saved at any layout) into ``training_engine`` (at this run's layout):
+    weights, optimizer, schedule, step counters; returns the data position.
 
     Collective only in the sense that every rank calls it; it communicates nothing. ``allow_pickle``:
     the checkpoint is trusted (``lnstrain.checkpoint.safe_load``).
@@ -114,15 +108,13 @@ def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer
     step_dir = Path(step_dir)
     config = training_engine.config
     state = read_full_state(step_dir, config, allow_pickle=allow_pickle)
-    engine = training_engine.engine
-    apply_full_state(engine, training_engine.module, state, config.model, require_optimizer_state, str(step_dir))
+    apply_full_state(training_engine, state, require_optimizer_state, str(step_dir))
     if state.scheduler_state is not None:
         scheduler = training_engine.scheduler
         scheduler.load_state_dict(state.scheduler_state)
         for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr  # what the next step uses; the schedule moves it only after that step
-    for key, value in state.engine_counters.items():
-        setattr(engine, key, value)
+    training_engine.restore_step_counters(state.engine_counters)
     meta = read_metadata(step_dir)
     logger.info("resharded %s (tensor %d, pipeline %d, data %d) into tensor %d, pipeline %d, data %d: "
                 "step %d, %d samples consumed, %s, optimizer moments %s", step_dir, meta.tensor_parallel,
@@ -132,15 +124,13 @@ def load_resharded(training_engine: Any, step_dir: str | Path, require_optimizer
     return TrainingPosition.from_metadata(meta)
 
 
-def initialize_from(training_engine: Any, path: str | Path, unfold_lns: bool | None = None) -> None:
+def initialize_from(training_engine: TrainingEngine, path: str | Path, unfold_lns: bool | None = None) -> None:
     """``checkpoint.init_from``: this rank's shards of the weights at ``path`` (a consolidated file, a
     Hugging Face LLaMA directory or an lnstrain checkpoint of any layout) into the live engine, fp32
     masters included; the optimizer, schedule and data position start fresh (continued pretraining).
     ``unfold_lns``: ``checkpoint.init_from_unfold_lns`` (None: as a Hugging Face export's config.json says)."""
     from lnstrain.checkpoint.consolidated_file import load_init_state_dict
 
-    model_cfg = training_engine.config.model
-    state = FullState(weights=load_init_state_dict(path, model_cfg, unfold_lns))
-    apply_full_state(training_engine.engine, training_engine.module, state, model_cfg,
-                     require_optimizer_state=False, source=str(path))
+    state = FullState(weights=load_init_state_dict(path, training_engine.config.model, unfold_lns))
+    apply_full_state(training_engine, state, require_optimizer_state=False, source=str(path))
     logger.info("initialised the model from %s", path)

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import pickle
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.deepspeed_adapter import CheckpointFileIO, pickled_record_classes, zero3_fp32_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +47,6 @@ def load_tensors(path: str | os.PathLike) -> Any:
                                   "writes there: the file was altered after it was saved; nothing of it was "
                                   "loaded") from error
         raise CheckpointError(f"cannot read {path}: {type(error).__name__}: {error}") from error
-
-
-def deepspeed_safe_classes() -> list[type]:
-    """The classes DeepSpeed 0.19 pickles into its checkpoint files besides tensors and plain values."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
 def _is_refusal(error: Exception) -> bool:
@@ -77,7 +68,7 @@ def load_deepspeed_file(path: str | os.PathLike, allow_pickle: bool = False, map
     (truncated, not a torch file) raises ``CheckpointError`` naming it.
     """
     try:
-        with torch.serialization.safe_globals(deepspeed_safe_classes()):
+        with torch.serialization.safe_globals(pickled_record_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
         if not _is_refusal(error):
@@ -94,53 +85,31 @@ def unsafe_globals(path: str | os.PathLike) -> list[str] | None:
     """The classes and functions ``path``'s pickle names beyond what ``load_deepspeed_file`` allows,
     read without unpickling (None when the file is not a zip-format torch file to inspect)."""
     try:
-        with torch.serialization.safe_globals(deepspeed_safe_classes()):
+        with torch.serialization.safe_globals(pickled_record_classes()):
             return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except (ValueError, RuntimeError, OSError):
         return None
 
 
 @contextlib.contextmanager
-def loading_safely(deepspeed_engine: Any, allow_pickle: bool) -> Iterator[None]:
+def loading_safely(file_io: CheckpointFileIO, allow_pickle: bool) -> Iterator[None]:
     """Every file DeepSpeed's ``load_checkpoint`` reads goes through ``load_deepspeed_file``.
 
-    DeepSpeed reads model states, pipeline layer files and optimizer partitions through the engine's
-    ``checkpoint_engine.load``, whose torch implementation unpickles fully; this replaces that one
-    method on this engine's instance for the duration.
+    DeepSpeed reads model states, pipeline layer files and optimizer partitions through ``file_io``
+    (``TrainingEngine.checkpoint_files``), whose torch implementation unpickles fully; this replaces
+    its ``load`` on that instance for the duration.
     """
     def load(path: str, map_location: Any = None) -> Any:
         return load_deepspeed_file(path, allow_pickle, map_location)
 
-    with replaced(deepspeed_engine.checkpoint_engine, "load", load):
+    with replaced(file_io, "load", load):
         yield
-
-
-class _TorchWithLoad(types.ModuleType):
-    """``torch`` as one module sees it, with another ``load``."""
-
-    def __init__(self, name: str, load: Any) -> None:
-        super().__init__(name)
-        self.load = load
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
 
 
 def zero3_fp32_weights(step_dir: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """DeepSpeed's ``zero_to_fp32`` reader of a ZeRO-3 checkpoint, with every file it opens loaded
     through ``load_deepspeed_file`` (it calls ``torch.load(..., weights_only=False)`` itself)."""
-    from deepspeed.utils import zero_to_fp32
-
-    step_dir = os.fspath(step_dir)
-
-    def safe_load(path: Any, map_location: Any = None, mmap: bool | None = None, **_: Any) -> Any:
+    def load(path: Any, map_location: Any) -> Any:
         return load_deepspeed_file(path, allow_pickle, map_location)
 
-    guarded_torch = _TorchWithLoad("torch", safe_load)
-    original = zero_to_fp32.torch
-    zero_to_fp32.torch = guarded_torch
-    try:
-        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(step_dir),
-                                                                     tag=os.path.basename(step_dir))
-    finally:
-        zero_to_fp32.torch = original
+    return zero3_fp32_state_dict(step_dir, load)

@@ -20,10 +20,13 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.write_errors import CheckpointWriteError, describe_write_failure, is_write_failure
+
+if TYPE_CHECKING:
+    from lnstrain.deepspeed_adapter import CheckpointFileIO
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +68,11 @@ class HeldFailure:
 
 
 @contextlib.contextmanager
-def holding_deepspeed_failures(deepspeed_engine: Any, held: HeldFailure) -> Iterator[None]:
-    """Inside DeepSpeed's ``save_checkpoint``: a file that fails to write is held in ``held``, and this
-    rank writes no further files, but it goes on through DeepSpeed's collectives with the others."""
-    checkpoint_engine = deepspeed_engine.checkpoint_engine
-    original: Callable[..., Any] = checkpoint_engine.save
+def holding_deepspeed_failures(checkpoint_files: CheckpointFileIO, held: HeldFailure) -> Iterator[None]:
+    """Inside DeepSpeed's ``save_checkpoint``: a file that fails to write (through ``checkpoint_files``,
+    ``TrainingEngine.checkpoint_files``) is held in ``held``, and this rank writes no further files,
+    but it goes on through DeepSpeed's collectives with the others."""
+    original: Callable[..., Any] = checkpoint_files.save
 
     def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         if held.error is not None:
@@ -80,7 +83,7 @@ def holding_deepspeed_failures(deepspeed_engine: Any, held: HeldFailure) -> Iter
             held.hold(error)
             return None
 
-    with replaced(checkpoint_engine, "save", save):
+    with replaced(checkpoint_files, "save", save):
         yield
 
 

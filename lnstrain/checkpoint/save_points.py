@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstrain.checkpoint.engine_hooks import replaced
+from lnstrain.deepspeed_adapter import CheckpointFileIO
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +71,13 @@ def reached(label: str, path: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def around_deepspeed_files(deepspeed_engine: Any) -> Iterator[None]:
-    """Save points before and after each file DeepSpeed's ``save_checkpoint`` writes (only when active)."""
-    checkpoint_engine = getattr(deepspeed_engine, "checkpoint_engine", None)
-    if not active() or checkpoint_engine is None:
+def around_deepspeed_files(file_io: CheckpointFileIO) -> Iterator[None]:
+    """Save points before and after each file DeepSpeed's ``save_checkpoint`` writes through ``file_io``
+    (``TrainingEngine.checkpoint_files``), only when active."""
+    if not active():
         yield
         return
-    original = checkpoint_engine.save
+    original = file_io.save
 
     def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         reached("deepspeed file: before", Path(path))
@@ -84,5 +85,5 @@ def around_deepspeed_files(deepspeed_engine: Any) -> Iterator[None]:
         reached("deepspeed file: written", Path(path))
         return result
 
-    with replaced(checkpoint_engine, "save", save):
+    with replaced(file_io, "save", save):
         yield

@@ -11,7 +11,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # What torch's C++ writer says when a write fails (it drops the errno): the ostream's exception, and
 # PyTorchStreamWriter's checks of how much it wrote.

@@ -87,16 +87,14 @@ def collective_device(group: ProcessGroup = None) -> torch.device:
 
 def check_matches_deepspeed_topology(layout: RankLayout) -> None:
     """Assert that our rank layout is DeepSpeed's, so its pipeline grid and our groups agree."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from lnstrain.deepspeed_adapter import pipeline_grid_coords
 
-    topology = PipeModelDataParallelTopology(
-        num_pp=layout.pp_size, num_mp=layout.tp_size, num_dp=layout.dp_size)
-    for rank in range(layout.world_size):
-        coord = topology.get_coord(rank)
+    deepspeeds = pipeline_grid_coords(layout.tp_size, layout.pp_size, layout.dp_size)
+    for rank, (pipe, data, model) in enumerate(deepspeeds):
         ours = layout.coords(rank)
-        assert (coord.pipe, coord.data, coord.model) == ours, (
-            f"rank {rank}: DeepSpeed places it at (pipe={coord.pipe}, data={coord.data}, "
-            f"model={coord.model}), lnstrain at (pipe, data, model) = {ours}")
+        assert (pipe, data, model) == ours, (
+            f"rank {rank}: DeepSpeed places it at (pipe={pipe}, data={data}, model={model}), lnstrain at "
+            f"(pipe, data, model) = {ours}")
 
 
 @dataclass(frozen=True)

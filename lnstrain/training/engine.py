@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,9 @@ from torch import nn
 from lnstrain.config.deepspeed_json import deepspeed_config
 from lnstrain.config.feasibility import check_layout, optimizer_kind, overcounted_kv_rows
 from lnstrain.config.run_config import Config
+from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_name, base_optimizer,
+                                        call_before_pipeline_optimizer_step, checkpoint_file_io, fp16_loss_scale,
+                                        load_checkpoint_files, relink_optimizer_state, restore_step_counters)
 from lnstrain.model.build import build_model
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
@@ -33,6 +38,9 @@ from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
 from lnstrain.training.optimizer import build_optimizer
 from lnstrain.training.schedule import build_scheduler
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +57,13 @@ class StepResult:
     skipped: bool
 
 
-def _check_groups_match(config: Config, groups: ParallelGroups, world_size: int) -> None:
-    expected = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
+def _check_groups_match(config: Config, groups: ParallelGroups) -> None:
+    """The groups must be the config's layout; the data-parallel size, and so the world size, is theirs."""
+    tensor, pipeline = config.parallel.tensor, config.parallel.pipeline
     actual = (groups.tp_size, groups.pp_size, groups.dp_size)
-    if expected != actual:
-        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for "
-                         f"{expected} on {world_size} ranks; build them with ParallelGroups.build("
-                         f"{config.parallel.tensor}, {config.parallel.pipeline})")
+    if actual[:2] != (tensor, pipeline):
+        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for tensor "
+                         f"{tensor} × pipeline {pipeline}; build them with lnstrain.model.build_groups(config)")
 
 
 def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:
@@ -70,25 +78,23 @@ def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:
 def training_device() -> torch.device:
     """Where DeepSpeed will put this rank's model: the accelerator's device for ``LOCAL_RANK`` (its own
     rule), the current device without it; ``cpu`` on DeepSpeed's CPU accelerator."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
     local_rank = os.environ.get("LOCAL_RANK")
-    name = accelerator.device_name(int(local_rank)) if local_rank else accelerator.current_device_name()
-    return torch.device(name)
+    return torch.device(accelerator_device_name(int(local_rank) if local_rank else None))
 
 
-def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "TrainingEngine":
-    """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``."""
+def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
+    """Model, optimizer, schedule and DeepSpeed engine for ``config`` on this rank of ``groups``, which
+    must have the config's tensor and pipeline sizes (the world size is theirs)."""
     import deepspeed
 
     from lnstrain.parallel.deepspeed_comm import init_deepspeed_comm
 
+    _check_groups_match(config, groups)
+    world_size = groups.world_size
     check_layout(config, world_size)
-    _check_groups_match(config, groups, world_size)
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs torch.distributed initialised (launch with torchrun or "
-                           "deepspeed, or lnstrain.testing.distributed.run_distributed)")
+                           "deepspeed, or lnstrain.parallel.local_ranks.run_distributed)")
     init_deepspeed_comm(dist.get_backend())
 
     logger.info("building the model (%d layers, hidden size %d, %s) and the DeepSpeed engine",
@@ -118,46 +124,42 @@ def build_engine(config: Config, groups: ParallelGroups, world_size: int) -> "Tr
             raise RuntimeError(f"DeepSpeed wrapped the fp32 ZeRO-0 optimizer in {type(engine.optimizer).__name__}; "
                                "lnstrain's own clipping and non-finite step skipping expect it unwrapped")
         optimizer.register_step_pre_hook(NonFiniteGradientSkip(lambda: clip_hook.last_norm))
-    return TrainingEngine(engine=engine, module=module, groups=groups, config=config, scheduler=scheduler,
+    return TrainingEngine(engine, module=module, groups=groups, config=config, scheduler=scheduler,
                           clip_hook=clip_hook)
 
 
 class TrainingEngine:
-    """One training step over a list of micro-batches, whatever the layout.
+    """One training step over a list of micro-batches, whatever the layout, and what the rest of
+    lnstrain needs of the DeepSpeed engine behind it (checkpoints, the optimizer, step counters);
+    only this class holds that engine.
 
     Attributes:
-        engine: the DeepSpeed engine (a ``PipelineEngine`` when pipelined): checkpoints go through it.
         module: this rank's model (``Transformer`` or its pipeline stage, a ``PipelineModule``).
-        groups: this rank's process groups.
+        groups: this rank's process groups (``groups.world_size`` is the run's world size).
+        config: the run config the engine was built for.
+        scheduler: the learning-rate schedule; DeepSpeed steps it after each applied optimizer step.
+        clip_hook: lnstrain's own gradient clipping (fp32 without ZeRO), None where DeepSpeed clips.
+        accumulation_steps: micro-batches per optimizer step on this rank.
     """
 
-    def __init__(self, engine: Any, module: nn.Module, groups: ParallelGroups, config: Config,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, clip_hook: GradClipHook | None = None) -> None:
-        self.engine = engine
+    def __init__(self, deepspeed_engine: DeepSpeedEngine, module: nn.Module, groups: ParallelGroups,
+                 config: Config, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 clip_hook: GradClipHook | None = None) -> None:
+        self._deepspeed = deepspeed_engine  # a PipelineEngine when pipelined
         self.module = module
         self.groups = groups
         self.config = config
         self.scheduler = scheduler
         self.clip_hook = clip_hook
-        self.accumulation_steps = engine.gradient_accumulation_steps()
+        self.accumulation_steps: int = deepspeed_engine.gradient_accumulation_steps()
         self._before_optimizer_step: Callable[[], None] | None = None
         if self.is_pipeline:
-            self._hook_pipeline_optimizer_step()
+            # the pipe engine reduces gradients and steps inside train_batch: train_step's callback runs between
+            call_before_pipeline_optimizer_step(deepspeed_engine, self._run_before_optimizer_step)
 
-    def _hook_pipeline_optimizer_step(self) -> None:
-        # The pipe engine runs backward, gradient reduction and the step inside train_batch; give
-        # train_step's callback the moment between reduction and step (an instance-level override
-        # of DeepSpeed's instruction table, which it looks up on self).
-        from deepspeed.runtime.pipe.schedule import OptimizerStep
-
-        pipe_step = type(self.engine)._INSTRUCTION_MAP[OptimizerStep]
-
-        def optimizer_step(pipe_engine: Any, **kwargs: Any) -> Any:
-            if self._before_optimizer_step is not None:
-                self._before_optimizer_step()
-            return pipe_step(pipe_engine, **kwargs)
-
-        self.engine._INSTRUCTION_MAP = {**type(self.engine)._INSTRUCTION_MAP, OptimizerStep: optimizer_step}
+    def _run_before_optimizer_step(self) -> None:
+        if self._before_optimizer_step is not None:
+            self._before_optimizer_step()
 
     @property
     def is_pipeline(self) -> bool:
@@ -165,7 +167,40 @@ class TrainingEngine:
 
     @property
     def device(self) -> torch.device:
-        return self.engine.device
+        return self._deepspeed.device
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer (AdamW) that updates the parameters, whether or not DeepSpeed wraps it
+        (ZeRO, bf16, fp16 hold the fp32 masters and the optimizer state in its parameter groups)."""
+        return base_optimizer(self._deepspeed.optimizer)
+
+    def relink_optimizer_state(self) -> None:
+        """Call after replacing ``base_optimizer``'s state tensors: DeepSpeed's per-parameter views of
+        them (bf16, ZeRO-1/2) then point at the new ones."""
+        relink_optimizer_state(self._deepspeed.optimizer)
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    @property
+    def checkpoint_files(self) -> CheckpointFileIO:
+        """What DeepSpeed writes and reads each checkpoint file through (hooked to hash, guard, observe)."""
+        return checkpoint_file_io(self._deepspeed)
+
+    def save_checkpoint(self, step_dir: Path, client_state: dict[str, Any] | None = None) -> None:
+        """DeepSpeed's files of this rank (weights, optimizer, schedule, counters, ``client_state``)
+        into ``step_dir``; writes no ``latest`` (collective: every rank calls it)."""
+        self._deepspeed.save_checkpoint(str(step_dir.parent), tag=step_dir.name, save_latest=False,
+                                        client_state=client_state or {})
+
+    def load_checkpoint(self, step_dir: Path) -> bool:
+        """Restore weights, optimizer and schedule from ``step_dir`` (saved at this layout); False when
+        DeepSpeed found nothing to load there."""
+        return load_checkpoint_files(self._deepspeed, str(step_dir.parent), step_dir.name)
+
+    def restore_step_counters(self, counters: Mapping[str, int]) -> None:
+        """DeepSpeed's step counters as a checkpoint recorded them
+        (``lnstrain.deepspeed_adapter.STEP_COUNTERS``), for a load that bypasses ``load_checkpoint``."""
+        restore_step_counters(self._deepspeed, counters)
 
     def _check_count(self, micro_batches: list[MicroBatch]) -> None:
         if len(micro_batches) != self.accumulation_steps:
@@ -179,11 +214,11 @@ class TrainingEngine:
 
         ``before_optimizer_step`` runs on every rank once the gradients are complete (reduced over
         data-parallel ranks and tied copies) and before clipping and the update: read gradients
-        there with ``deepspeed.utils.safe_get_full_grad``.
+        there with ``lnstrain.deepspeed_adapter.full_gradient``.
         """
         self._check_count(micro_batches)
         lr = self.scheduler.get_last_lr()[0]
-        self.engine.train()
+        self._deepspeed.train()
         self._before_optimizer_step = before_optimizer_step
         try:
             if self.is_pipeline:
@@ -193,7 +228,7 @@ class TrainingEngine:
         finally:
             self._before_optimizer_step = None
         return StepResult(loss=loss, grad_norm=self._grad_norm(), lr=lr, loss_scale=self.current_loss_scale(),
-                          skipped=not self.engine.was_step_applied())
+                          skipped=not self._deepspeed.was_step_applied())
 
     def _forward_backward_step(self, micro_batches: list[MicroBatch]) -> float:
         """Pipeline size 1: forward and backward of every micro-batch, then the optimizer step.
@@ -202,13 +237,13 @@ class TrainingEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, after the step
         for index, micro in enumerate(weighted):
             # the logits are not kept for backward (the loss keeps its own fp32 buffer): no name holds them
-            loss = weighted_token_loss(self.engine(micro.inputs), micro.labels, micro.weights, self.config.model,
+            loss = weighted_token_loss(self._deepspeed(micro.inputs), micro.labels, micro.weights, self.config.model,
                                        self.groups)
-            self.engine.backward(loss)
+            self._deepspeed.backward(loss)
             loss_sum += loss.detach()
             if index == len(weighted) - 1 and self._before_optimizer_step is not None:
                 self._before_optimizer_step()
-            self.engine.step()
+            self._deepspeed.step()
         return self._global_mean(loss_sum / len(weighted))
 
     def _global_mean(self, local_mean_contribution: torch.Tensor) -> float:
@@ -224,31 +259,31 @@ class TrainingEngine:
         return [(m.inputs, (m.labels, m.weights)) for m in weighted]
 
     def _pipeline_train(self, micro_batches: list[MicroBatch]) -> float:
-        loss = self.engine.train_batch(data_iter=iter(self._pipeline_batches(micro_batches)))
+        loss = self._deepspeed.train_batch(data_iter=iter(self._pipeline_batches(micro_batches)))
         return float(loss.item())
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         """Token-weighted mean loss over the micro-batches of every data-parallel rank, no update."""
-        self.engine.eval()
+        self._deepspeed.eval()
         try:
             if self.is_pipeline:
-                loss = self.engine.eval_batch(data_iter=iter(self._pipeline_batches(micro_batches)),
+                loss = self._deepspeed.eval_batch(data_iter=iter(self._pipeline_batches(micro_batches)),
                                               num_micro_batches=len(micro_batches))
                 return float(loss.item())
             weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for micro in weighted:
-                total += weighted_token_loss(self.engine(micro.inputs), micro.labels, micro.weights,
+                total += weighted_token_loss(self._deepspeed(micro.inputs), micro.labels, micro.weights,
                                              self.config.model, self.groups)
             return self._global_mean(total / len(weighted))
         finally:
-            self.engine.train()
+            self._deepspeed.train()
 
     def _grad_norm(self) -> float | None:
         if self.clip_hook is not None:
             return self.clip_hook.last_norm
-        norm = self.engine.get_global_grad_norm()
+        norm = self._deepspeed.get_global_grad_norm()
         if norm is None:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
@@ -256,12 +291,11 @@ class TrainingEngine:
     def current_loss_scale(self) -> float | None:
         """The fp16 loss scale the next backward uses (None without fp16). DeepSpeed updates it inside
         the optimizer step, so read after a step it is the next step's, not that step's."""
-        if not self.engine.fp16_enabled():
+        if not self._deepspeed.fp16_enabled():
             return None
-        optimizer = self.engine.optimizer  # FP16_Optimizer: cur_scale; ZeRO optimizers: loss_scale
-        scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
-        return float(scale) if scale is not None else None
+        return fp16_loss_scale(self._deepspeed.optimizer)
 
     @property
     def global_step(self) -> int:
-        return self.engine.global_steps
+        """The optimizer steps DeepSpeed has counted (its ``global_steps``)."""
+        return self._deepspeed.global_steps

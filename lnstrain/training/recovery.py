@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
@@ -17,17 +18,19 @@ from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
-    from lnstrain.training.trainer import TrainingResult
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecoveryDecision:
-    """What the train loop does after a step."""
+    """What the train loop does after a step; the loop applies it to its own record of the run."""
 
     restored: TrainingPosition | None = None
-    """Set after a rollback: the position to train on from now."""
+    """Set after a rollback: the position to train on from now. Losses recorded for later steps are
+    forgotten (the replay records them again)."""
+    rolled_back_to: Path | None = None
+    """Set after a rollback: the checkpoint reloaded."""
     stop: bool = False
     """The run must stop (saving the last good weights)."""
 
@@ -62,32 +65,33 @@ class NonFiniteRecovery:
         position.consumed_samples += self.global_batch
         position.skipped_batches += 1
 
-    def after_step(self, nonfinite: bool, position: TrainingPosition, result: TrainingResult) -> RecoveryDecision:
+    def after_step(self, nonfinite: bool, position: TrainingPosition) -> RecoveryDecision:
         """Apply ``train.nonfinite_policy`` to the step just taken: train on, roll back or stop."""
         train = self.config.train
         self.bad_in_a_row = self.bad_in_a_row + 1 if nonfinite else 0
         if not nonfinite:
             return RecoveryDecision()
         if train.nonfinite_policy == "rollback" and self.rollbacks_in_a_row < train.max_nonfinite_in_a_row:
-            restored = self.roll_back(position, result)
-            if restored is not None:
+            rollback = self.roll_back(position)
+            if rollback is not None:
                 self.rollbacks_in_a_row += 1
-                return RecoveryDecision(restored=restored)
+                return rollback
         if train.nonfinite_policy != "skip" or self.bad_in_a_row >= train.max_nonfinite_in_a_row:
             return RecoveryDecision(stop=True)
         position.skipped_batches += 1
         return RecoveryDecision()
 
-    def stop_reason(self, position: TrainingPosition, result: TrainingResult) -> str:
+    def stop_reason(self, position: TrainingPosition, rollbacks: int) -> str:
+        """Why the run stops; ``rollbacks``: how many this run made."""
         policy = self.config.train.nonfinite_policy
         return (f"non-finite loss at step {position.step} (train.nonfinite_policy: {policy}, "
-                f"{self.bad_in_a_row} in a row, {len(result.rollbacks)} rollbacks)")
+                f"{self.bad_in_a_row} in a row, {rollbacks} rollbacks)")
 
     def checkpoint_saved(self) -> None:
         """A newer checkpoint to roll back to: rollbacks count from zero again."""
         self.rollbacks_in_a_row = 0
 
-    def roll_back(self, position: TrainingPosition, result: TrainingResult) -> TrainingPosition | None:
+    def roll_back(self, position: TrainingPosition) -> RecoveryDecision | None:
         """Reload the newest checkpoint whose files verify and never train on the batch that just
         failed; None when there is no checkpoint to go back to."""
         step_dir = newest_checkpoint(self.config.checkpoint_dir)
@@ -96,16 +100,12 @@ class NonFiniteRecovery:
         if step_dir is None:
             return None
         self.rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])
-        restored = self.checkpoints.load(self.engine.engine, step_dir)
+        restored = self.checkpoints.load(self.engine, step_dir)
         ranges = {tuple(r) for r in restored.skipped_sample_ranges + self.rolled_back_ranges}
         restored.skipped_sample_ranges = [list(r) for r in sorted(ranges)]
         # the counters keep what happened since; the jump over the failed batch counts it as skipped
         restored.nonfinite_steps, restored.loss_spikes = position.nonfinite_steps, position.loss_spikes
         restored.skipped_batches = position.skipped_batches  # the replay counts the failed batch when it skips it
-        for steps in (result.losses, result.eval_losses):  # the replay records them again
-            for step in [s for s in steps if s > restored.step]:
-                del steps[step]
-        result.rollbacks.append(str(step_dir))
         logger.warning("rolled back to %s (step %d); samples %s will be skipped", step_dir, restored.step,
                        restored.skipped_sample_ranges)
-        return restored
+        return RecoveryDecision(restored=restored, rolled_back_to=step_dir)

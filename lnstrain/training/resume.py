@@ -71,7 +71,7 @@ def load_checkpoint(config: Config, engine: TrainingEngine, checkpoints: Checkpo
 
     checkpoints.check_same_data(step_dir)
     if not needs_resharding(step_dir, checkpoints.layout):
-        return checkpoints.load(engine.engine, step_dir)
+        return checkpoints.load(engine, step_dir)
     fresh_optimizer = config.checkpoint.reshard_with_fresh_optimizer
     problems = reshard_problems(step_dir, checkpoints.layout, fresh_optimizer)
     if problems:

@@ -1,9 +1,10 @@
 """The training loop: data -> engine steps -> logging, evaluation, checkpoints, clean stops.
 
-``pretrain(config, world_size)`` runs on every rank after ``torch.distributed`` is initialised (the
-launcher does that; tests use ``lnstrain.parallel.local_ranks.run_distributed``). The data position is the global
-number of consumed samples: step ``s`` always trains on global batch ``s`` of the training set, so
-a resumed run sees exactly the batches the uninterrupted run would have seen.
+``pretrain(config)`` runs on every rank after ``torch.distributed`` is initialised (the launcher does
+that; tests use ``lnstrain.parallel.local_ranks.run_distributed``); the world size is torch.distributed's.
+The data position is the global number of consumed samples: step ``s`` always trains on global batch
+``s`` of the training set, so a resumed run sees exactly the batches the uninterrupted run would have
+seen.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
 from lnstrain.training.signals import StopController
 
+if TYPE_CHECKING:
+    from lnstrain.training.engine import TrainingEngine
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,6 +61,15 @@ class TrainingResult:
     rollbacks: list[str] = field(default_factory=list)
     """One entry per rollback: the checkpoint reloaded."""
 
+    def record_rollback(self, checkpoint: Path, restored: TrainingPosition) -> None:
+        """Training goes on from ``restored``: forget the losses of later steps (the replay records
+        them again) and note the checkpoint reloaded."""
+        for steps in (self.losses, self.eval_losses):
+            for step in [s for s in steps if s > restored.step]:
+                del steps[step]
+        self.rollbacks.append(str(checkpoint))
+        self.position = restored
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -64,7 +77,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _depth_stats_collector(config: Config, engine: Any, groups: ParallelGroups):
+def _depth_stats_collector(config: Config, engine: TrainingEngine, groups: ParallelGroups):
     """Per-layer statistics every ``logging.depth_stats_interval`` steps, when asked for and available."""
     if config.logging.depth_stats_interval <= 0:
         return None
@@ -80,16 +93,15 @@ def _depth_stats_collector(config: Config, engine: Any, groups: ParallelGroups):
 class Trainer:
     """One run on this rank: owns the engine, the datasets, the checkpoint manager and the loggers."""
 
-    def __init__(self, config: Config, world_size: int) -> None:
+    def __init__(self, config: Config) -> None:
         self.started = time.monotonic()  # train.exit_after_minutes counts from here
         self.config = config
-        self.world_size = world_size
         self.rank = dist.get_rank()
         self.groups = build_groups(config)
         seed_everything(config.train.seed + 100 * self.groups.pp_rank)  # tp/dp peers share dropout seeds
         self.global_batch = config.train.global_batch_size
         self.micro_batch = config.train.micro_batch_size
-        self.accumulation = config.grad_accumulation_steps(world_size)
+        self.accumulation = config.grad_accumulation_steps(self.groups.world_size)
         self.total_steps = config.total_steps
         if self.rank == 0:
             config.save(config.run.dir / RUN_CONFIG_FILE)
@@ -102,19 +114,16 @@ class Trainer:
 
         from lnstrain.training.engine import build_engine
 
-        self.engine = build_engine(config, self.groups, world_size)
-        self.checkpoints = CheckpointManager(
-            config, world_size, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
-            data_fingerprint(config.data), tokenizer_checksum(config))
+        self.engine = build_engine(config, self.groups)
+        self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
+                                             data_fingerprint(config.data), tokenizer_checksum(config))
         tensorboard_dir = config.run.dir / TENSORBOARD_DIR if config.logging.tensorboard else None
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=tensorboard_dir)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
-            deepspeed_optimizer = self.engine.engine.optimizer
-            self.guard = NonFiniteGuard(self.engine.module, getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer),
-                                        self.engine.device)
+            self.guard = NonFiniteGuard(self.engine.module, self.engine.base_optimizer, self.engine.device)
         self.spikes = LossSpikeDetector(config.train.spike_window, config.train.spike_zscore)
         self.recovery = NonFiniteRecovery(config, self.engine, self.checkpoints)
         self._micro_batches = None
@@ -133,7 +142,7 @@ class Trainer:
     def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
         """The checkpoint written, or None when the state was not finite and nothing was saved."""
         started = time.monotonic()
-        path = self.checkpoints.save(self.engine.engine, position)
+        path = self.checkpoints.save(self.engine, position)
         stop.record_save(time.monotonic() - started)
         return str(path) if path is not None else None
 
@@ -244,13 +253,14 @@ class Trainer:
                     seconds, nonfinite = 0.0, False
                 else:
                     seconds, nonfinite = self._step(self._next_batch(position), position, result)
-                verdict = self.recovery.after_step(nonfinite, position, result)
+                verdict = self.recovery.after_step(nonfinite, position)
                 if verdict.restored is not None:
-                    position = result.position = verdict.restored
+                    result.record_rollback(verdict.rolled_back_to, verdict.restored)
+                    position = result.position
                     continue
                 if verdict.stop:
                     result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
-                    result.stop_reason = self.recovery.stop_reason(position, result)
+                    result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
@@ -288,6 +298,6 @@ class Trainer:
                 self.guard.remove()
 
 
-def pretrain(config: Config, world_size: int, stop_at_step: int | None = None) -> TrainingResult:
+def pretrain(config: Config, stop_at_step: int | None = None) -> TrainingResult:
     """Train ``config`` on this rank (collective: every rank of the world calls it)."""
-    return Trainer(config, world_size).train(stop_at_step)
+    return Trainer(config).train(stop_at_step)

@@ -25,7 +25,7 @@ def train(rank: int, world_size: int, overrides: list[str]) -> str:
     from lnstrain.training.trainer import pretrain
 
     config = load_config(TINY_RUN_CONFIG, overrides, world_size)
-    pretrain(config, world_size)
+    pretrain(config)
     return str(config.run.dir)
 
 

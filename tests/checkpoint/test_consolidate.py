@@ -25,7 +25,7 @@ def train_each_zero_stage(rank: int, world_size: int, corpus: TinyCorpus, root: 
     for stage in ZERO_STAGES:
         overrides = tiny_run_overrides(corpus, root / f"zero{stage}") + [
             f"parallel.zero_stage={stage}", "train.steps=1", "train.eval_interval=0", "train.eval_batches=0"]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         trainer.train()
         trained = None
         if stage == 0:  # the parameters are whole on every rank only without ZeRO-3

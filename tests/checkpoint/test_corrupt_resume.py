@@ -42,7 +42,7 @@ def corrupt_and_resume(rank: int, world_size: int, corpus: TinyCorpus, root: Pat
 
     def train(run: str, stop_at_step: int | None = None):
         return pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / run) + RUN, world_size),
-                        world_size, stop_at_step)
+                        stop_at_step)
 
     errors: list[str] = []
     handler = logging.Handler()

@@ -20,7 +20,7 @@ def train_export_and_start_from_it(rank: int, world_size: int, corpus: TinyCorpu
     from lnstrain.training.trainer import Trainer, pretrain
 
     source = load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + SOURCE_RUN, world_size)
-    source_loss = pretrain(source, world_size).eval_losses[3]
+    source_loss = pretrain(source).eval_losses[3]
     export = root / "hf"
     assert load_tool("convert_to_hf").main(["--checkpoint", str(source.run.dir), "--output", str(export),
                                             "--dtype", "fp32"]) == 0
@@ -28,7 +28,7 @@ def train_export_and_start_from_it(rank: int, world_size: int, corpus: TinyCorpu
     for unfold in ("null", "false"):
         overrides = tiny_run_overrides(corpus, root) + [
             f"run.name=from_hf_{unfold}", f"checkpoint.init_from={export}", f"checkpoint.init_from_unfold_lns={unfold}"]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         position, _ = trainer.resume()
         assert position.step == 0
         losses[unfold] = trainer.evaluate()

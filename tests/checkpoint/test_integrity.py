@@ -107,7 +107,7 @@ def test_a_marker_without_records_is_unverified_but_its_pickles_are_checked(tmp_
 
 def manager(tmp_path, *overrides: str) -> CheckpointManager:
     config = load_config(TINY_RUN_CONFIG, [f"checkpoint.dir={tmp_path}", *overrides], validate=False)
-    return CheckpointManager(config, 1, (1, 1, 1), "data", "tok")
+    return CheckpointManager(config, (1, 1, 1), "data", "tok")
 
 
 def test_fallback_to_the_newest_checkpoint_that_verifies(tmp_path):

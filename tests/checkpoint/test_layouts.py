@@ -49,12 +49,12 @@ def save_known_states(rank: int, world_size: int, corpus: TinyCorpus, root: Path
     for case in CASES:
         config = _config(corpus, root, case, world_size)
         groups = ParallelGroups.build(config.parallel.tensor, config.parallel.pipeline)
-        training = build_engine(config, groups, world_size)
+        training = build_engine(config, groups)
         init_file = save_consolidated(root / f"known_{case}_rank{rank}.safetensors",
                                       perturbed_model(config.model).state_dict())
         initialize_from(training, init_file)  # what checkpoint.init_from does
-        manager = CheckpointManager(config, world_size, (groups.tp_size, groups.pp_size, groups.dp_size), None, None)
-        saved[case] = str(manager.save(training.engine, TrainingPosition(step=1, consumed_samples=8)))
+        manager = CheckpointManager(config, (groups.tp_size, groups.pp_size, groups.dp_size), None, None)
+        saved[case] = str(manager.save(training, TrainingPosition(step=1, consumed_samples=8)))
     return saved
 
 

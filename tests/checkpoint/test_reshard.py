@@ -56,7 +56,7 @@ def _layout_logits(training_engine, batch: list[dict], vocab_size: int) -> torch
     import torch.distributed as dist
 
     groups = training_engine.groups
-    training_engine.engine.eval()
+    training_engine.module.eval()
     with torch.no_grad():
         local = training_engine.module(batch[0]["tokens"][:, :-1])
     if groups.tp_size > 1:
@@ -71,7 +71,7 @@ def reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
     from lnstrain.training.trainer import Trainer, pretrain
 
     straight_config = _config(corpus, root / "straight", SOURCE_LAYOUT, world_size)
-    straight = pretrain(straight_config, world_size)
+    straight = pretrain(straight_config)
     step_dir = saved_step_dir(straight_config)
 
     class ReshardingTrainer(Trainer):
@@ -83,7 +83,7 @@ def reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
         name = f"tp{layout[0]}_pp{layout[1]}"
         config = _config(corpus, root / name, layout, world_size,
                          ["checkpoint.interval_steps=0", "checkpoint.save_at_end=false"])
-        trainer = ReshardingTrainer(config, world_size)
+        trainer = ReshardingTrainer(config)
         load_resharded(trainer.engine, step_dir)
         batch = _fixed_batch(config.model.vocab_size, trainer.engine.accumulation_steps)
         reference_loss, reference_logits = _reference_outputs(step_dir, batch)

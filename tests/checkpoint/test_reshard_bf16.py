@@ -64,7 +64,7 @@ def _engine_state(training_engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _adam_steps(training_engine) -> set[int]:
-    base = training_engine.engine.optimizer.optimizer
+    base = training_engine.base_optimizer
     return {int(group_state["step"]) for group_state in base.state.values()}
 
 
@@ -91,14 +91,14 @@ def bf16_reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path
     from lnstrain.training.trainer import Trainer, pretrain
 
     torch.set_num_threads(1)
-    straight = pretrain(_config(corpus, root / "straight", SOURCE_LAYOUT, world_size), world_size)
+    straight = pretrain(_config(corpus, root / "straight", SOURCE_LAYOUT, world_size))
     source_config = _config(corpus, root / "source", SOURCE_LAYOUT, world_size)
-    source = Trainer(source_config, world_size)
+    source = Trainer(source_config)
     first_steps = source.train(stop_at_step=SAVED_STEP).losses
     saved = _engine_state(source.engine)
     step_dir = saved_step_dir(source_config)
     results = {"straight": straight.losses, "first_steps": first_steps,
-               "source_optimizer": type(source.engine.engine.optimizer).__name__,
+               "source_optimizer": type(source.engine._deepspeed.optimizer).__name__,
                "files": sorted(path.name for path in step_dir.iterdir()), "parameters": sorted(saved["master"]),
                "layouts": {}}
 
@@ -111,7 +111,7 @@ def bf16_reshard_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path
     for layout in TARGET_LAYOUTS:
         name = f"tp{layout[0]}_pp{layout[1]}"
         trainer = InspectedTrainer(_config(corpus, root / name, layout, world_size,
-                                           [f"checkpoint.resume='{step_dir}'"]), world_size)
+                                           [f"checkpoint.resume='{step_dir}'"]))
         result = trainer.train()
         results["layouts"][name] = {"resumed_from": result.resumed_from, "losses": result.losses,
                                     "adam_steps": trainer.loaded_steps, "parameters": sorted(trainer.loaded["master"]),

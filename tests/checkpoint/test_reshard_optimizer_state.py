@@ -8,8 +8,6 @@ step: pytorch/pytorch#104767), on the CPU otherwise. Meta tensors stand in for a
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ def test_primed_adam_step_is_placed_as_torch_places_a_loaded_one(kernel):
     flat = torch.nn.Parameter(torch.zeros(6, device="meta"))
     optimizer = torch.optim.AdamW([flat])
     optimizer.param_groups[0].update(kernel)
-    _prime_optimizer_state(SimpleNamespace(optimizer=optimizer), step=7)
+    _prime_optimizer_state(optimizer, step=7)
     primed = optimizer.state[flat]
 
     optimizer.load_state_dict(optimizer.state_dict())  # torch's placement policy for loaded state

@@ -73,8 +73,8 @@ def every_file_kind(rank: int, world_size: int, corpus: TinyCorpus, root: Path, 
         overrides = tiny_run_overrides(corpus, root / "run") + RUN + [f"parallel.zero_stage={zero_stage}", *extra]
         return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
-    pretrain(config("train.steps=2"), world_size)
-    trainer = Trainer(config("train.steps=3"), world_size)
+    pretrain(config("train.steps=2"))
+    trainer = Trainer(config("train.steps=3"))
     loads = torch_loads_during(trainer.resume)
     step_dir = root / "run" / "tiny" / "checkpoints" / "global_step2"
     marker = root / "payload_ran"
@@ -83,7 +83,7 @@ def every_file_kind(rank: int, world_size: int, corpus: TinyCorpus, root: Path, 
         name = path.relative_to(step_dir).as_posix()
         copies[name] = copy = tampered_copy(step_dir, root / f"tampered_{index}", name, Payload(marker))
         verified = refusal(lambda: trainer.checkpoints.verified_checkpoint(copy, fall_back=True))
-        loaded = refusal(lambda: trainer.checkpoints.load(trainer.engine.engine, copy))
+        loaded = refusal(lambda: trainer.checkpoints.load(trainer.engine, copy))
         refusals[name] = (str(copy / name), verified, loaded)
     if zero_stage == 3:  # the resharding path reads ZeRO-3 files through DeepSpeed's zero_to_fp32
         from lnstrain.checkpoint.layouts import read_full_state
@@ -124,15 +124,15 @@ def pipeline_resume(rank: int, world_size: int, corpus: TinyCorpus, root: Path) 
         overrides = tiny_run_overrides(corpus, root / run) + RUN + ["parallel.pipeline=2", *extra]
         return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
-    pretrain(config("run", "train.steps=2"), world_size)
-    loads = torch_loads_during(lambda: pretrain(config("run", "train.steps=3"), world_size))
+    pretrain(config("run", "train.steps=2"))
+    loads = torch_loads_during(lambda: pretrain(config("run", "train.steps=3")))
     if rank == 0:  # the stage-2 layer file, which only rank 1 reads
         step_dir = root / "run" / "tiny" / "checkpoints" / "global_step2"
         tampered_copy(step_dir, root / "tampered" / "tiny" / "checkpoints", "layer_02-model_00-model_states.pt",
                       Payload(root / "payload_ran"))
         (root / "tampered" / "tiny" / "checkpoints" / "latest").write_text("global_step2\n")
     torch.distributed.barrier()
-    message = refusal(lambda: pretrain(config("tampered", "train.steps=3"), world_size))
+    message = refusal(lambda: pretrain(config("tampered", "train.steps=3")))
     return {"loads": loads, "message": message, "payload_ran": (root / "payload_ran").exists()}
 
 
@@ -153,9 +153,8 @@ def test_pipeline_files_load_safely_on_every_stage(tiny_corpus, tmp_path):
 def straight_and_first_half(rank: int, world_size: int, corpus: TinyCorpus, root: Path, run: list[str]) -> dict:
     from lnstrain.training.trainer import pretrain
 
-    straight = pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "straight") + run, world_size),
-                        world_size)
-    pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "trusted") + run, world_size), world_size,
+    straight = pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "straight") + run, world_size))
+    pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "trusted") + run, world_size),
              stop_at_step=2)
     return straight.losses
 

@@ -65,7 +65,7 @@ def crash_at_every_save_point(rank: int, world_size: int, corpus: TinyCorpus, ro
     def config(name: str):
         return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + RUN, world_size)
 
-    straight = pretrain(config("straight"), world_size)
+    straight = pretrain(config("straight"))
     source = root / "observed" / "tiny" / "checkpoints"
     snapshots: list[tuple[str, Path]] = []
 
@@ -79,7 +79,7 @@ def crash_at_every_save_point(rank: int, world_size: int, corpus: TinyCorpus, ro
 
     save_points.observer = observe
     try:
-        observed = pretrain(config("observed"), world_size)
+        observed = pretrain(config("observed"))
     finally:
         save_points.observer = None
     assert observed.losses == straight.losses
@@ -96,7 +96,7 @@ def crash_at_every_save_point(rank: int, world_size: int, corpus: TinyCorpus, ro
         run = root / f"resume_{snapshot.name}"
         if (snapshot / "checkpoints").is_dir():
             shutil.copytree(snapshot / "checkpoints", run / "tiny" / "checkpoints")
-        result = pretrain(config(run.name), world_size)
+        result = pretrain(config(run.name))
         resumed[snapshot.name] = (label, found.name if found else None, result.losses, result.eval_losses)
     point_labels = [label for label, _ in snapshots if not label.endswith("(half)")]
     return {"straight": straight, "labels": point_labels, "resumed": resumed}

@@ -90,7 +90,7 @@ def fail_at_step_4(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -
     read_full_state(out["after full"], with_optimizer=True)  # loadable, weights and optimizer
     out["permission"] = launch(no_permission)
     out["after permission"] = newest_checkpoint(checkpoints)
-    resumed = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+    resumed = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size))
     out["resumed steps"] = sorted(resumed.losses)
     out["step 4 complete"] = is_complete(checkpoints / "global_step4")
     return out
@@ -197,7 +197,7 @@ def fail_step_4_on_one_rank(rank: int, world_size: int, corpus: TinyCorpus, root
     if scenario == "rank 0 marker" and rank == 0:
         (checkpoints / "global_step4" / COMPLETE_MARKER).rmdir()  # what was in the way; the rerun redoes step 4
     torch.distributed.barrier()
-    resumed = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+    resumed = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size))
     out["resumed steps"] = sorted(resumed.losses)
     out["step 4 complete"] = is_complete(checkpoints / "global_step4")
     return out

@@ -56,7 +56,7 @@ def _measure(rank: int, world_size: int, variants: dict) -> dict:
     from lnstrain.benchmark.phase_memory import measure_step_memory
 
     torch.set_num_threads(1)
-    return {name: measure_step_memory(variant_config(changes), world_size, steps=3) for name, changes in variants.items()}
+    return {name: measure_step_memory(variant_config(changes), steps=3) for name, changes in variants.items()}
 
 
 def assert_within_10_percent(variants: dict, world_size: int) -> None:

@@ -44,7 +44,7 @@ def device_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> d
     from lnstrain.training.trainer import pretrain
 
     def run(name: str, *extra: str, stop_at_step: int | None = None):
-        return pretrain(_config(corpus, root, name, world_size, *extra), world_size, stop_at_step=stop_at_step)
+        return pretrain(_config(corpus, root, name, world_size, *extra), stop_at_step=stop_at_step)
 
     return {"straight": run("straight", *DROPOUT),
             "straight_again": run("straight_again", *DROPOUT),
@@ -58,8 +58,7 @@ def cpu_resume(rank: int, world_size: int, corpus: TinyCorpus, root: Path, step_
     """Rank function: resume the device's bf16 step-3 checkpoint on the CPU."""
     from lnstrain.training.trainer import pretrain
 
-    return pretrain(_config(corpus, root, "bf16_cpu_resumed", world_size, *BF16, f"checkpoint.resume={step_dir}"),
-                    world_size)
+    return pretrain(_config(corpus, root, "bf16_cpu_resumed", world_size, *BF16, f"checkpoint.resume={step_dir}"))
 
 
 @pytest.fixture(scope="module")

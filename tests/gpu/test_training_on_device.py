@@ -47,7 +47,7 @@ def train_schemes(rank: int, world_size: int, dtype: str, steps: int) -> dict[st
     for scheme in SCHEMES:
         config = with_norm_scheme(make_config(Layout(scheme, zero_stage=1, dtype=dtype), steps=steps), scheme)
         groups = ParallelGroups.build(1, 1)
-        engine = build_engine(config, groups, world_size)
+        engine = build_engine(config, groups)
         gradients: dict[str, torch.Tensor] = {}
 
         def capture() -> None:
@@ -60,7 +60,7 @@ def train_schemes(rank: int, world_size: int, dtype: str, steps: int) -> dict[st
         results[scheme] = {
             "losses": [s.loss for s in steps_taken], "grad_norms": [s.grad_norm for s in steps_taken],
             "gradients": gradients, "weights": (weight.device.type, str(weight.dtype)),
-            "fused": [group.get("fused") for group in innermost_optimizer(engine.engine.optimizer).param_groups]}
+            "fused": [group.get("fused") for group in innermost_optimizer(engine._deepspeed.optimizer).param_groups]}
     return results
 
 

@@ -133,7 +133,7 @@ def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[st
 
     config = layout.config(steps)
     groups = build_groups(config)
-    engine = build_engine(config, groups, world_size)
+    engine = build_engine(config, groups)
     captured: dict[str, torch.Tensor] = {}
 
     def capture() -> None:

@@ -129,12 +129,13 @@ def test_fused_replicated_kv_heads_are_fine_without_clipping():
 def test_build_engine_fails_before_any_collective():
     """torch.distributed is not initialised here: the layout error must come first, not a hang."""
     config = make_config(Layout("pp2_zero3", pipeline=2, zero_stage=3))
+    two_stages = ParallelGroups(pp_size=2)  # sizes only: building real groups would need torch.distributed
     with pytest.raises(ConfigError, match="zero_stage 3 cannot be combined with pipeline"):
-        build_engine(config, SINGLE, world_size=2)
+        build_engine(config, two_stages)
     with pytest.raises(ConfigError):
         check_layout(make_config(Layout("tp2", tensor=2)), world_size=3)
 
 
 def test_build_engine_rejects_groups_that_disagree_with_the_config():
     with pytest.raises(ValueError, match=r"process groups are \(tensor, pipeline, data\) = \(1, 1, 1\)"):
-        build_engine(make_config(Layout("tp2", tensor=2)), SINGLE, world_size=2)
+        build_engine(make_config(Layout("tp2", tensor=2)), SINGLE)

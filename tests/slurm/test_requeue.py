@@ -46,7 +46,7 @@ def uninterrupted(rank: int, world_size: int, corpus: TinyCorpus, root: Path) ->
     from lnstrain.training.trainer import pretrain
 
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + RUN, world_size)
-    return pretrain(config, world_size).losses
+    return pretrain(config).losses
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ RANK1_SECOND_SAVE_DEEPSPEED_FILE = "1:9"  # rank 1's points per save: start, fil
 def uninterrupted(rank: int, world_size: int, corpus: TinyCorpus, root: Path):
     from lnstrain.training.trainer import pretrain
 
-    return pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + RUN, world_size), world_size)
+    return pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + RUN, world_size))
 
 
 def deepspeed_command(corpus: TinyCorpus, root: Path) -> list[str]:

@@ -77,7 +77,7 @@ def _devices_seen_by_build_optimizer(world_size: int) -> set[str]:
     real_device, real_build = engine_module.training_device, engine_module.build_optimizer
     engine_module.training_device, engine_module.build_optimizer = (lambda: torch.device("meta")), spy
     try:
-        engine_module.build_engine(_config(dtype="fp32"), ParallelGroups.build(1, 1, False), world_size)
+        engine_module.build_engine(_config(dtype="fp32"), ParallelGroups.build(1, 1, False))
     except _OptimizerBuilt:
         pass
     finally:
@@ -89,10 +89,11 @@ def _train(config, batches_for_step) -> dict:
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine
 
-    engine = build_engine(config, ParallelGroups.build(1, 1, False), 1)
+    engine = build_engine(config, ParallelGroups.build(1, 1, False))
     losses = [engine.train_step(batches_for_step(step)).loss for step in range(STEPS)]
-    return {"optimizer": type(engine.engine.optimizer).__name__, "losses": losses,
-            "data_types": [str(t) for t in engine.engine.get_data_types()],
+    deepspeed_engine = engine._deepspeed  # which wrapper and data types DeepSpeed chose: its own state
+    return {"optimizer": type(deepspeed_engine.optimizer).__name__, "losses": losses,
+            "data_types": [str(t) for t in deepspeed_engine.get_data_types()],
             "weights": str(next(engine.module.parameters()).dtype)}
 
 

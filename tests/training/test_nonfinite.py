@@ -49,7 +49,7 @@ def run_policies(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
 
     def train(name: str, *extra: str, poisoned: bool = True):
         overrides = tiny_run_overrides(corpus, root / name) + ["train.eval_interval=0", *extra]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         if poisoned:
             poison_batch(trainer, (POISONED_STEP - 1) * 8)
         return trainer.train()

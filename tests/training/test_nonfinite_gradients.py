@@ -25,7 +25,7 @@ def run(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
 
     def train(name: str, *extra: str, poisoned: bool = True):
         overrides = tiny_run_overrides(corpus, root / name) + ["train.eval_interval=0", *extra]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         if poisoned:
             poison_batch(trainer, (POISONED_STEP - 1) * 8, gradient_only=True)
         depth_stats = {}

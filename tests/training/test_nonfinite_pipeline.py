@@ -76,8 +76,7 @@ POISONS = {"first_stage_output": poison_batch, "last_stage_logits": poison_last_
 
 def _training_state(trainer) -> list[torch.Tensor]:
     """Copies of this rank's weights (the stage's and the optimizer's own) and its Adam state."""
-    deepspeed_optimizer = trainer.engine.engine.optimizer
-    optimizer = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
+    optimizer = trainer.engine.base_optimizer
     tensors = list(trainer.engine.module.parameters())
     tensors += [p for group in optimizer.param_groups for p in group["params"]]
     tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
@@ -115,7 +114,7 @@ def run_pipeline_policies(rank: int, world_size: int, corpus: TinyCorpus, root: 
 
     def train(name: str, *extra: str, poisoned: bool = True) -> dict:
         overrides = tiny_run_overrides(corpus, root / name) + PIPELINE + [f"parallel.zero_stage={zero_stage}", *extra]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         if poisoned:
             POISONS[poison](trainer, POISONED_SAMPLE)
         changed, verdicts = _watch_steps(trainer)

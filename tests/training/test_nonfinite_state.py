@@ -41,8 +41,7 @@ def inject(trainer, where: str, at_step: int, on_rank: int | None = None) -> Non
                 norm_gain.view(-1)[0] = math.nan
         outcome = take_step(batch, position, result)  # counts the step: position.step is now its number
         if here and where == "moment" and position.step == at_step:
-            optimizer = trainer.engine.engine.optimizer
-            base = getattr(optimizer, "optimizer", optimizer)
+            base = trainer.engine.base_optimizer
             base.state[base.param_groups[0]["params"][0]]["exp_avg"].view(-1)[0] = math.nan
         return outcome
 
@@ -56,7 +55,7 @@ def nan_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path,
     results = {}
     for name, policy, where, at_step, on_rank in runs:
         overrides = tiny_run_overrides(corpus, root / name) + RUN + [f"train.nonfinite_policy={policy}"]
-        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+        trainer = Trainer(load_config(TINY_RUN_CONFIG, overrides, world_size))
         inject(trainer, where, at_step, on_rank)
         results[name] = trainer.train()
     return results

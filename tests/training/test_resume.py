@@ -26,10 +26,10 @@ def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: P
         return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
     # TensorBoard and depth statistics only on the straight run: they must not change its losses.
-    straight = pretrain(config("straight", *OBSERVED), world_size)
-    interrupted = pretrain(config("resumed"), world_size, stop_at_step=3)
-    resumed = pretrain(config("resumed"), world_size)  # checkpoint.resume: auto finds latest
-    rerun = pretrain(config("resumed"), world_size)  # already finished: resumes at the end, trains nothing
+    straight = pretrain(config("straight", *OBSERVED))
+    interrupted = pretrain(config("resumed"), stop_at_step=3)
+    resumed = pretrain(config("resumed"))  # checkpoint.resume: auto finds latest
+    rerun = pretrain(config("resumed"))  # already finished: resumes at the end, trains nothing
     return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "rerun": rerun}
 
 

@@ -24,19 +24,18 @@ def save_at_tp2_resume_at_dp2(rank: int, world_size: int, corpus: TinyCorpus, ro
     def config(name: str, *extra: str):
         return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + list(extra), world_size)
 
-    straight = pretrain(config("straight", *TENSOR_2), world_size)
-    interrupted = pretrain(config("resharded", *TENSOR_2), world_size, stop_at_step=3)
-    resumed = pretrain(config("resharded", *DATA_2), world_size)
+    straight = pretrain(config("straight", *TENSOR_2))
+    interrupted = pretrain(config("resharded", *TENSOR_2), stop_at_step=3)
+    resumed = pretrain(config("resharded", *DATA_2))
 
-    pretrain(config("zero0", *TENSOR_2, "parallel.zero_stage=0"), world_size, stop_at_step=3)
+    pretrain(config("zero0", *TENSOR_2, "parallel.zero_stage=0"), stop_at_step=3)
     refused = resume_problems(config("zero0", *DATA_2, "parallel.zero_stage=0"), world_size=world_size)
     try:
-        pretrain(config("zero0", *DATA_2, "parallel.zero_stage=0"), world_size)
+        pretrain(config("zero0", *DATA_2, "parallel.zero_stage=0"))
         refused_by_trainer = ""
     except ValueError as error:
         refused_by_trainer = str(error)
-    fresh = pretrain(config("zero0", *DATA_2, "parallel.zero_stage=0", "checkpoint.reshard_with_fresh_optimizer=true"),
-                     world_size)
+    fresh = pretrain(config("zero0", *DATA_2, "parallel.zero_stage=0", "checkpoint.reshard_with_fresh_optimizer=true"))
     return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "refused": refused,
             "refused_by_trainer": refused_by_trainer, "fresh": fresh}
 

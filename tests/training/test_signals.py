@@ -78,7 +78,7 @@ def stop_by_time(rank: int, world_size: int, corpus, root: Path) -> tuple:
 
     # 6 ms after the trainer starts: already past when the first step ends (building the engine takes longer)
     overrides = tiny_run_overrides(corpus, root) + ["train.exit_after_minutes=0.0001", "checkpoint.interval_steps=0"]
-    result = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size), world_size)
+    result = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size))
     return result.stop_reason, result.exit_code, sorted(result.losses), Path(result.last_checkpoint).name
 
 

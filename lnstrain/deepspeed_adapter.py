@@ -1,0 +1,252 @@
+"""Everything lnstrain uses of DeepSpeed beyond its public training API, in one module.
+
+The rest of lnstrain calls only DeepSpeed's public API: ``deepspeed.initialize`` and
+``init_distributed``, ``deepspeed.comm``, ``deepspeed.pipe.PipelineModule``/``LayerSpec``/
+``TiedLayerSpec``, the engine's documented methods (``backward``, ``step``, ``train_batch``,
+``eval_batch``, ``save_checkpoint``, ``load_checkpoint``, ...) and the JSON config. What follows is
+what a DeepSpeed upgrade can break, so it is checked here first.
+
+Tested with DeepSpeed 0.19.8 (every test of the suite; ``setup.py`` pins ``>=0.19,<0.20``).
+
+Documented helpers outside the core API:
+
+* ``deepspeed.accelerator.get_accelerator``: the device DeepSpeed puts the model on;
+* ``deepspeed.utils.safe_get_full_grad``, ``safe_set_full_fp32_param``,
+  ``safe_set_full_optimizer_state``: a parameter's gradient, fp32 master and optimizer state
+  across ZeRO partitions;
+* ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, with the module's
+  ``torch`` global replaced so that every file it opens goes through our loader;
+* ``deepspeed.utils.logging.set_log_level_from_string``.
+
+Internals (no stability promise):
+
+* ``PipelineEngine._INSTRUCTION_MAP`` and ``deepspeed.runtime.pipe.schedule.OptimizerStep``: a
+  callback between the pipe engine's gradient reduction and its optimizer step;
+* ``deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology``: DeepSpeed's rank grid;
+* the engine's ``checkpoint_engine`` (its ``save``/``load``, every checkpoint file goes through
+  them), ``deepspeed.runtime.checkpoint_engine.TorchCheckpointEngine`` and its
+  ``zipfile_serialization``;
+* the engine's step counters ``global_steps``, ``global_samples``, ``skipped_steps``;
+* optimizer wrappers (ZeRO, bf16, fp16): the torch optimizer in ``.optimizer``, the fp16 scale in
+  ``cur_scale`` (``FP16_Optimizer``) or ``loss_scale`` (ZeRO), ``_lazy_init_hp_params_optimizer_state``
+  and ``_hp_optimizer_states_linked`` (the per-parameter views of flat optimizer state);
+* parameter attributes: ``_hp_mapping`` (a fp32 master fragment exists), ``_hp_grad`` (the gradient
+  lives in the wrapper's partitions), ``ds_tensor`` (ZeRO-3's local partition);
+* ``BF16_Optimizer`` and the engine's ``_load_zero_checkpoint``: resuming bf16 with pipeline stages
+  at ZeRO 0, which DeepSpeed's own ``load_checkpoint`` cannot (``load_checkpoint_files``);
+* the record classes DeepSpeed pickles into its checkpoint files: ``fragment_address``,
+  ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``.
+
+Not routed here yet: ``lnstrain.parallel.pipeline`` (``PipeModelDataParallelTopology`` and two private
+``PipelineModule`` methods), ``lnstrain.parallel.deepspeed_comm`` (``set_accelerator`` and
+``CPU_Accelerator``, to start without JIT-compiled ops) and ``lnstrain.config.deepspeed_json``
+(``deepspeed.runtime.config.DeepSpeedConfig``, to check the generated JSON).
+
+DeepSpeed is imported inside the functions: importing it takes seconds, and it must not happen
+before ``lnstrain.parallel.deepspeed_comm`` has chosen the accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+STEP_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+"""The engine's counters a checkpoint restores (read from its model-states file)."""
+
+
+class CheckpointFileIO(Protocol):
+    """The object a DeepSpeed engine writes and reads every checkpoint file through (its
+    ``checkpoint_engine``); lnstrain replaces ``save``/``load`` on the instance for a save or load."""
+
+    def save(self, state_dict: Any, path: str) -> Any: ...
+
+    def load(self, path: str, map_location: Any = None) -> Any: ...
+
+
+# --- devices and ranks --------------------------------------------------------------------------------
+def accelerator_device_name(local_rank: int | None) -> str:
+    """The device DeepSpeed puts this rank's model on: the accelerator's device for ``local_rank``,
+    its current device without one (``cpu`` on the CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return accelerator.device_name(local_rank) if local_rank is not None else accelerator.current_device_name()
+
+
+def pipeline_grid_coords(tensor: int, pipeline: int, data: int) -> list[tuple[int, int, int]]:
+    """(pipe, data, model) coordinates DeepSpeed's pipeline grid gives each global rank, in rank order."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=data)
+    coords = [topology.get_coord(rank) for rank in range(tensor * pipeline * data)]
+    return [(coord.pipe, coord.data, coord.model) for coord in coords]
+
+
+def set_log_level(level: str) -> None:
+    """DeepSpeed's own logger level (``"info"``, ``"warning"``, ...)."""
+    from deepspeed.utils.logging import set_log_level_from_string
+
+    set_log_level_from_string(level)
+
+
+# --- the engine --------------------------------------------------------------------------------------
+def call_before_pipeline_optimizer_step(pipe_engine: DeepSpeedEngine, callback: Callable[[], None]) -> None:
+    """Make ``pipe_engine`` (a ``PipelineEngine``) call ``callback()`` once the gradients are reduced,
+    right before each optimizer step it runs inside ``train_batch``: an instance-level override of
+    DeepSpeed's instruction table, which the engine looks up on itself."""
+    from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+    table = type(pipe_engine)._INSTRUCTION_MAP
+    pipe_step = table[OptimizerStep]
+
+    def optimizer_step(engine: Any, **kwargs: Any) -> Any:
+        callback()
+        return pipe_step(engine, **kwargs)
+
+    pipe_engine._INSTRUCTION_MAP = {**table, OptimizerStep: optimizer_step}
+
+
+def checkpoint_file_io(engine: DeepSpeedEngine) -> CheckpointFileIO:
+    return engine.checkpoint_engine
+
+
+def load_checkpoint_files(engine: DeepSpeedEngine, checkpoint_dir: str, tag: str) -> bool:
+    """``engine.load_checkpoint`` of weights, optimizer and schedule; False when nothing was found.
+
+    DeepSpeed 0.19's ``BF16_Optimizer`` at ZeRO 0 (bf16 with pipeline stages) saves its state (fp32
+    masters, Adam moments) in per-rank partition files but, with ZeRO off, reads it back from the
+    model file, where it is one dict that its loader indexes by data-parallel rank (KeyError: 0). For
+    it the optimizer is read from the partition files, as DeepSpeed does at ZeRO 1 (the engine's
+    private ``_load_zero_checkpoint``).
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    in_partition_files = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+    load_path, _ = engine.load_checkpoint(checkpoint_dir, tag=tag, load_optimizer_states=not in_partition_files,
+                                          load_lr_scheduler_states=True)
+    if load_path is not None and in_partition_files:
+        engine._load_zero_checkpoint(checkpoint_dir, tag, load_optimizer_states=True)
+    return load_path is not None
+
+
+def restore_step_counters(engine: DeepSpeedEngine, counters: Mapping[str, int]) -> None:
+    """Set the engine's step counters (names in ``STEP_COUNTERS``) as a checkpoint recorded them."""
+    unknown = sorted(set(counters) - set(STEP_COUNTERS))
+    if unknown:
+        raise ValueError(f"not DeepSpeed engine step counters: {unknown} (known: {STEP_COUNTERS})")
+    for name, value in counters.items():
+        setattr(engine, name, value)
+
+
+# --- optimizers --------------------------------------------------------------------------------------
+def base_optimizer(deepspeed_optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed's ZeRO/bf16/fp16 wrapper steps (the optimizer itself unwrapped)."""
+    return getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
+
+
+def fp16_loss_scale(deepspeed_optimizer: Any) -> float | None:
+    """The fp16 loss scale the wrapper's next backward uses, None when it holds none."""
+    scale = getattr(deepspeed_optimizer, "cur_scale", None) or getattr(deepspeed_optimizer, "loss_scale", None)
+    return float(scale) if scale is not None else None
+
+
+def relink_optimizer_state(deepspeed_optimizer: Any) -> None:
+    """After the torch optimizer's state was replaced outside DeepSpeed: point the wrapper's
+    per-parameter views (bf16 and ZeRO-1/2 fp32 fragments) at the new state tensors."""
+    if hasattr(deepspeed_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        deepspeed_optimizer._hp_optimizer_states_linked = False
+        deepspeed_optimizer._lazy_init_hp_params_optimizer_state()
+
+
+# --- parameters --------------------------------------------------------------------------------------
+def has_fp32_fragment(param: torch.nn.Parameter) -> bool:
+    """Whether a DeepSpeed wrapper keeps this parameter's fp32 master and optimizer state in its
+    flat partitions (set them with ``set_full_fp32_param``/``set_full_optimizer_state``)."""
+    return hasattr(param, "_hp_mapping")
+
+
+def local_partition(param: torch.nn.Parameter) -> torch.Tensor:
+    """The part of ``param`` this rank holds: ZeRO-3's local partition, else the parameter itself."""
+    return getattr(param, "ds_tensor", param)
+
+
+def full_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The parameter's complete gradient (this tensor rank's shard). Under ZeRO and the bf16 optimizer
+    it lives in partitions and is assembled with a collective over the data-parallel group, so every
+    data-parallel rank must ask for it."""
+    if param.grad is not None and getattr(param, "_hp_grad", None) is None:
+        return param.grad
+    from deepspeed.utils import safe_get_full_grad
+
+    return safe_get_full_grad(param)
+
+
+def set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    safe_set_full_fp32_param(param, value)
+
+
+def set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    safe_set_full_optimizer_state(param, value, key)
+
+
+# --- checkpoint files --------------------------------------------------------------------------------
+def torch_save_zip_format(file_io: CheckpointFileIO) -> bool | None:
+    """``torch.save``'s ``_use_new_zipfile_serialization`` when ``file_io`` is DeepSpeed's torch
+    checkpoint engine (each file one ``torch.save`` to its path); None for any other engine."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(file_io) is not TorchCheckpointEngine:
+        return None
+    return file_io.zipfile_serialization
+
+
+def pickled_record_classes() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and plain values."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+class _TorchWithLoad(types.ModuleType):
+    """``torch`` as one module sees it, with another ``load``."""
+
+    def __init__(self, name: str, load: Callable[..., Any]) -> None:
+        super().__init__(name)
+        self.load = load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def zero3_fp32_state_dict(step_dir: str | os.PathLike,
+                          load: Callable[[Any, Any], Any]) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ``zero_to_fp32`` reader of a ZeRO-3 checkpoint, reading every file with
+    ``load(path, map_location)`` instead of its own ``torch.load(..., weights_only=False)``."""
+    from deepspeed.utils import zero_to_fp32
+
+    step_dir = os.fspath(step_dir)
+
+    def replaced_load(path: Any, map_location: Any = None, mmap: bool | None = None, **_: Any) -> Any:
+        return load(path, map_location)
+
+    original = zero_to_fp32.torch
+    zero_to_fp32.torch = _TorchWithLoad("torch", replaced_load)
+    try:
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(step_dir),
+                                                                     tag=os.path.basename(step_dir))
+    finally:
+        zero_to_fp32.torch = original
