@@ -37,7 +37,7 @@ Internals (no stability promise):
 * the record classes DeepSpeed pickles into its checkpoint files: ``fragment_address``,
   ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``.
 
-Not routed here yet: ``lnstrain.parallel.pipeline`` (``PipeModelDataParallelTopology`` and two private
+Not routed here yet: ``lnstrain.model.pipeline`` (``PipeModelDataParallelTopology`` and two private
 ``PipelineModule`` methods), ``lnstrain.parallel.deepspeed_comm`` (``set_accelerator`` and
 ``CPU_Accelerator``, to start without JIT-compiled ops) and ``lnstrain.config.deepspeed_json``
 (``deepspeed.runtime.config.DeepSpeedConfig``, to check the generated JSON).

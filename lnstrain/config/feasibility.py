@@ -11,13 +11,32 @@ any process group for callers that build an engine without that list (benchmarks
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lnstrain.config.loader import ConfigError
 from lnstrain.parallel.config import world_size_problems
 
 if TYPE_CHECKING:
-    from lnstrain.config.run_config import Config
+    from lnstrain.data.config import DataConfig
+    from lnstrain.model.config import ModelConfig
+    from lnstrain.parallel.config import ParallelConfig
+    from lnstrain.training.config import OptimConfig, PrecisionConfig, TrainConfig
+
+
+class RunSections(Protocol):
+    """What the rules read of a run's config: ``lnstrain.config.run_config.Config``, whose ``validate``
+    applies them (so this module names its sections, not the class)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optim: OptimConfig
+    train: TrainConfig
+    precision: PrecisionConfig
+    data: DataConfig
+
+    def data_parallel_size(self, world_size: int) -> int: ...
+
+    def grad_accumulation_steps(self, world_size: int) -> int: ...
 
 
 class OptimizerKind(enum.StrEnum):
@@ -46,7 +65,7 @@ class OptimizerKind(enum.StrEnum):
         return self is OptimizerKind.NONE
 
 
-def asks_fp32_accumulation(config: Config) -> bool:
+def asks_fp32_accumulation(config: RunSections) -> bool:
     """Whether the DeepSpeed JSON asks for ``data_types.grad_accum_dtype: fp32``: bf16 with
     ``precision.fp32_grad_accum`` under ZeRO 1-3. At ZeRO 0 DeepSpeed refuses the key ("unsupported mix
     of model_dtype=bf16 and grad_accum_dtype=fp32"); there a pipeline's BF16_Optimizer accumulates in
@@ -55,7 +74,7 @@ def asks_fp32_accumulation(config: Config) -> bool:
     return precision.dtype == "bf16" and precision.fp32_grad_accum and config.parallel.zero_stage > 0
 
 
-def optimizer_kind(config: Config) -> OptimizerKind:
+def optimizer_kind(config: RunSections) -> OptimizerKind:
     """The optimizer DeepSpeed will wrap ours in for ``config``."""
     precision, parallel = config.precision, config.parallel
     if parallel.zero_stage == 3:
@@ -68,7 +87,7 @@ def optimizer_kind(config: Config) -> OptimizerKind:
     return OptimizerKind.NONE if precision.dtype == "fp32" else OptimizerKind.FP16_UNFUSED
 
 
-def _shape_problems(config: Config) -> list[str]:
+def _shape_problems(config: RunSections) -> list[str]:
     """The layout against the model's depth and the sequence length."""
     problems = []
     model, par, seq_len = config.model, config.parallel, config.data.seq_len
@@ -86,7 +105,7 @@ def _shape_problems(config: Config) -> list[str]:
     return problems
 
 
-def _batch_problems(config: Config, world_size: int) -> list[str]:
+def _batch_problems(config: RunSections, world_size: int) -> list[str]:
     """The global batch must split into whole micro-batches over the data-parallel ranks."""
     train, par = config.train, config.parallel
     if min(par.tensor, par.pipeline, train.micro_batch_size) < 1 or world_size_problems(world_size, par.tensor,
@@ -101,7 +120,7 @@ def _batch_problems(config: Config, world_size: int) -> list[str]:
             f"{max(per_step, round(train.global_batch_size / per_step) * per_step)}"]
 
 
-def bf16_accumulation_problem(config: Config, world_size: int) -> str:
+def bf16_accumulation_problem(config: RunSections, world_size: int) -> str:
     """Why DeepSpeed cannot give this config the fp32 gradient accumulation it asks for; empty when it can."""
     precision, parallel = config.precision, config.parallel
     if not (precision.dtype == "bf16" and precision.fp32_grad_accum
@@ -120,7 +139,7 @@ def bf16_accumulation_problem(config: Config, world_size: int) -> str:
             "(train.micro_batch_size = train.global_batch_size / data-parallel size).")
 
 
-def fp16_loss_scaling_problem(config: Config) -> str:
+def fp16_loss_scaling_problem(config: RunSections) -> str:
     """fp16 at ZeRO 0: DeepSpeed 0.19's engine scales the loss in backward only for ZeRO optimizers, while
     its FP16_Optimizer / FP16_UnfusedOptimizer still divide the gradients by the loss scale, so every
     update would be 1/scale of its size (upstream: deepspeedai/DeepSpeed PR 8393). Empty when fine."""
@@ -131,7 +150,7 @@ def fp16_loss_scaling_problem(config: Config) -> str:
             "scale. Set parallel.zero_stage: 1 (or higher), or precision.dtype: bf16.")
 
 
-def overcounted_kv_rows(config: Config) -> str:
+def overcounted_kv_rows(config: RunSections) -> str:
     """Why the clipping norm would overcount replicated key/value rows; empty when it would not.
 
     A refused problem where DeepSpeed clips; where lnstrain clips itself, a warning the engine logs."""
@@ -145,7 +164,7 @@ def overcounted_kv_rows(config: Config) -> str:
             f"{parallel.tensor // model.kv_heads} times in the clipping norm.")
 
 
-def _precision_problems(config: Config, world_size: int | None) -> list[str]:
+def _precision_problems(config: RunSections, world_size: int | None) -> list[str]:
     """Precision × ZeRO × pipeline × clipping: what DeepSpeed's optimizer for this config would get wrong."""
     problems = [bf16_accumulation_problem(config, world_size) if world_size is not None else "",
                 fp16_loss_scaling_problem(config)]
@@ -156,7 +175,7 @@ def _precision_problems(config: Config, world_size: int | None) -> list[str]:
     return [problem for problem in problems if problem]
 
 
-def cross_section_problems(config: Config, world_size: int | None) -> list[str]:
+def cross_section_problems(config: RunSections, world_size: int | None) -> list[str]:
     """Every rule between sections; those that need the world size only when it is given."""
     problems = _shape_problems(config)
     if world_size is not None:
@@ -165,7 +184,7 @@ def cross_section_problems(config: Config, world_size: int | None) -> list[str]:
     return problems + _precision_problems(config, world_size)
 
 
-def layout_problems(config: Config, world_size: int) -> list[str]:
+def layout_problems(config: RunSections, world_size: int) -> list[str]:
     """Everything that would make the engine fail or hang: the sections it reads and every cross-section rule.
 
     The data, run, checkpoint and logging sections are not checked here (the engine never reads them);
@@ -177,7 +196,7 @@ def layout_problems(config: Config, world_size: int) -> list[str]:
     return problems + cross_section_problems(config, world_size)
 
 
-def check_layout(config: Config, world_size: int) -> None:
+def check_layout(config: RunSections, world_size: int) -> None:
     """Raise ``ConfigError`` listing every layout problem (call before building process groups)."""
     problems = layout_problems(config, world_size)
     if problems:

@@ -1,10 +1,10 @@
 """The LLaMA-family model with LayerNorm Scaling and tensor-parallel layers.
 
-``build.build_model`` is how a run gets its (parallel) model; its module docstring says how.
+``lnstrain.model.build.build_model`` is how a run gets its (parallel) model; its module docstring says
+how. It is not re-exported here: it reads the run's config, whose model section imports this package.
 """
 
 from lnstrain.model.block import LayerScale, TransformerBlock
-from lnstrain.model.build import build_groups, build_model
 from lnstrain.model.config import ModelConfig, NormScheme
 from lnstrain.model.init import init_weights
 from lnstrain.model.loss import language_model_loss, weighted_token_loss
@@ -14,6 +14,6 @@ from lnstrain.model.transformer import EmbeddingStage, OutputStage, Transformer
 
 __all__ = [
     "MODEL_PRESETS", "EmbeddingStage", "LayerScale", "ModelConfig", "NormScheme", "OutputStage",
-    "Transformer", "TransformerBlock", "build_groups", "build_model", "init_weights", "language_model_loss",
+    "Transformer", "TransformerBlock", "init_weights", "language_model_loss",
     "lns_factor", "model_preset", "weighted_token_loss",
 ]

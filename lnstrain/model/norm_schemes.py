@@ -1,7 +1,7 @@
 """The norm schemes and their placement per layer: the one place where the schemes (and LNS) differ.
 
 `NormScheme` names them (``model.norm_scheme``; `config.py` imports it from here, and this module
-reads `ModelConfig` without importing it). `block_layout(cfg, layer_number)` turns the config's
+reads a `ModelConfig` through the `SchemeSettings` protocol, without importing it). `block_layout(cfg, layer_number)` turns the config's
 `norm_scheme` into a small, plain description of one block; `TransformerBlock` follows it.
 LayerNorm Scaling lives in `lns_factor`, called once, in `block_layout`: `lns` applies it to the
 pre-sublayer norms' output, `lns_after_sublayer` to the sublayers' output, and `lns_gain_init`
@@ -14,10 +14,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lnstrain.model.config import ModelConfig
 
 
 class NormScheme(str, enum.Enum):
@@ -32,6 +30,15 @@ class NormScheme(str, enum.Enum):
     MIX_LN = "mix_ln"  # first floor(mix_ln_alpha * num_layers) layers Post-LN, the rest Pre-LN
     SANDWICH_LN = "sandwich_ln"
     LAYERSCALE = "layerscale"
+
+class SchemeSettings(Protocol):
+    """What the schemes read of a model's config (``ModelConfig``, which imports this module)."""
+
+    norm_scheme: NormScheme
+    num_layers: int
+    mix_ln_alpha: float
+    layerscale_init: float | None
+
 
 
 class Placement(str, enum.Enum):
@@ -86,12 +93,12 @@ def cait_layerscale_init(depth: int) -> float:
     return 1e-6
 
 
-def num_post_ln_layers(cfg: ModelConfig) -> int:
+def num_post_ln_layers(cfg: SchemeSettings) -> int:
     """Mix-LN: the first floor(alpha * L) layers use Post-LN."""
     return math.floor(cfg.mix_ln_alpha * cfg.num_layers)
 
 
-def block_layout(cfg: ModelConfig, layer_number: int) -> BlockLayout:
+def block_layout(cfg: SchemeSettings, layer_number: int) -> BlockLayout:
     scheme = NormScheme(cfg.norm_scheme)
     if scheme in (NormScheme.LNS, NormScheme.LNS_AFTER_SUBLAYER, NormScheme.LNS_GAIN_INIT):
         factor = lns_factor(layer_number)

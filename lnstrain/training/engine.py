@@ -63,7 +63,7 @@ def _check_groups_match(config: Config, groups: ParallelGroups) -> None:
     actual = (groups.tp_size, groups.pp_size, groups.dp_size)
     if actual[:2] != (tensor, pipeline):
         raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for tensor "
-                         f"{tensor} × pipeline {pipeline}; build them with lnstrain.model.build_groups(config)")
+                         f"{tensor} × pipeline {pipeline}; build them with lnstrain.model.build.build_groups(config)")
 
 
 def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:

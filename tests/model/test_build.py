@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lnstrain.model import Transformer, TransformerBlock, build_model
+from lnstrain.model import Transformer, TransformerBlock
+from lnstrain.model.build import build_model
 from lnstrain.model.attention import kv_head_copies
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.testing.distributed import run_distributed
@@ -103,7 +104,7 @@ def _watching_group_creation(creators: list[str]):
 
 
 def build_after_groups_worker(rank: int, world_size: int) -> dict:
-    from lnstrain.model import build_groups
+    from lnstrain.model.build import build_groups
 
     shared_kv, pipeline = make_config(SHARED_KV_HEADS), make_config(PIPELINE)
     shared_kv_groups, pipeline_groups = build_groups(shared_kv), build_groups(pipeline)
