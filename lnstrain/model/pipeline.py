@@ -1,6 +1,6 @@
 """The model as a DeepSpeed ``PipelineModule``: embedding, L transformer layers, output head.
 
-Every transformer layer spec carries its global 1-based number ``ℓ`` (Contract 1), so LayerNorm
+Every transformer layer spec carries its global 1-based number ``ℓ`` (docs/architecture.md, "Layer numbering"), so LayerNorm
 Scaling's 1/√ℓ never depends on the split. DeepSpeed's layer indices count every entry::
 
     untied:  0 EmbeddingStage | 1..L TransformerBlock(ℓ = 1..L) | L+1 OutputStage
