@@ -10,7 +10,7 @@ from deepspeed.pipe import LayerSpec
 from lnstrain.checkpoint.param_names import saved_pipeline_name_mapper
 from lnstrain.model import ModelConfig
 from lnstrain.model.block import TransformerBlock
-from lnstrain.parallel import pipeline
+from lnstrain.model import pipeline
 
 CFG = ModelConfig(vocab_size=100, hidden_size=32, num_layers=3, num_heads=4, ffn_hidden_size=64, max_seq_len=16)
 EXPECTED = {"0.word_embeddings.weight": "embedding.word_embeddings.weight",
