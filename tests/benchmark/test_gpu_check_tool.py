@@ -51,8 +51,9 @@ def test_items_that_cannot_finish_in_time_are_not_started(tmp_path):
 @pytest.mark.slow
 def test_dry_run_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "out"
-    completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(out)], cwd=ROOT,
-                               capture_output=True, text=True, timeout=900)
+    # The time limit is the subprocess's, not the default 540 s: a loaded machine must not leave items unstarted.
+    completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(out), "--time-limit-s", "880"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
     doc = json.loads((out / "gpu_check.json").read_text())
