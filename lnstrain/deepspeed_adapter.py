@@ -22,7 +22,17 @@ Internals (no stability promise):
 
 * ``PipelineEngine._INSTRUCTION_MAP`` and ``deepspeed.runtime.pipe.schedule.OptimizerStep``: a
   callback between the pipe engine's gradient reduction and its optimizer step;
-* ``deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology``: DeepSpeed's rank grid;
+* ``deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology``: DeepSpeed's rank grid, and the
+  pipeline module's ``_grid`` (``PipelineParallelGrid``: its ``pp_group``, ``dp_group``,
+  ``slice_group``, ``get_stage_id``), which lnstrain checks against its own groups;
+* ``PipelineModule._partition_layers`` (with ``parts``, ``_topo``, ``_set_bounds``) and
+  ``_count_layer_params``, overridden: stage boundaries lnstrain chooses, parameters counted on the
+  meta device;
+* ``deepspeed.accelerator.set_accelerator`` and ``deepspeed.accelerator.cpu_accelerator.CPU_Accelerator``
+  (its ``get_op_builder``/``create_op_builder``): the CPU accelerator without its JIT-compiled
+  comm ops;
+* ``deepspeed.runtime.config.DeepSpeedConfig`` (and the names of its pydantic section models) and
+  ``deepspeed.utils.logger``: DeepSpeed's own check of the JSON lnstrain derives;
 * the engine's ``checkpoint_engine`` (its ``save``/``load``, every checkpoint file goes through
   them), ``deepspeed.runtime.checkpoint_engine.TorchCheckpointEngine`` and its
   ``zipfile_serialization``;
@@ -37,26 +47,26 @@ Internals (no stability promise):
 * the record classes DeepSpeed pickles into its checkpoint files: ``fragment_address``,
   ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``.
 
-Not routed here yet: ``lnstrain.model.pipeline`` (``PipeModelDataParallelTopology`` and two private
-``PipelineModule`` methods), ``lnstrain.parallel.deepspeed_comm`` (``set_accelerator`` and
-``CPU_Accelerator``, to start without JIT-compiled ops) and ``lnstrain.config.deepspeed_json``
-(``deepspeed.runtime.config.DeepSpeedConfig``, to check the generated JSON).
-
 DeepSpeed is imported inside the functions: importing it takes seconds, and it must not happen
-before ``lnstrain.parallel.deepspeed_comm`` has chosen the accelerator.
+before ``lnstrain.parallel.deepspeed_comm`` has chosen the accelerator. ``tests/test_deepspeed_boundary.py``
+fails when another module of lnstrain imports more of DeepSpeed than the public API above.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 STEP_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 """The engine's counters a checkpoint restores (read from its model-states file)."""
@@ -81,11 +91,56 @@ def accelerator_device_name(local_rank: int | None) -> str:
     return accelerator.device_name(local_rank) if local_rank is not None else accelerator.current_device_name()
 
 
-def pipeline_grid_coords(tensor: int, pipeline: int, data: int) -> list[tuple[int, int, int]]:
-    """(pipe, data, model) coordinates DeepSpeed's pipeline grid gives each global rank, in rank order."""
+JIT_COMM_OP_BUILDERS = ("ShareMemCommBuilder", "CCLCommBuilder")
+"""The CPU accelerator's op builders that ``deepspeed.comm`` would compile at start-up."""
+
+
+def use_cpu_accelerator_without_jit_ops() -> bool:
+    """If DeepSpeed's accelerator is its CPU one: replace it (``set_accelerator``) with a subclass whose
+    ``JIT_COMM_OP_BUILDERS`` are absent, so that ``deepspeed.comm`` compiles nothing. True when it was
+    replaced now. Set ``DS_ACCELERATOR`` first, if at all: this imports DeepSpeed, which chooses then."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    current = get_accelerator()
+    without_jit_ops = _cpu_accelerator_without_jit_ops_class()
+    if not isinstance(current, CPU_Accelerator) or isinstance(current, without_jit_ops):
+        return False
+    set_accelerator(without_jit_ops())
+    return True
+
+
+@functools.cache
+def _cpu_accelerator_without_jit_ops_class() -> type:
+    """Defined on first use: it derives from DeepSpeed's class, and importing DeepSpeed takes seconds."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class CpuAcceleratorWithoutJitOps(CPU_Accelerator):
+        """DeepSpeed's CPU accelerator without the comm ops that would be JIT-compiled at start-up."""
+
+        def get_op_builder(self, class_name):
+            if class_name in JIT_COMM_OP_BUILDERS:
+                return None
+            return super().get_op_builder(class_name)
+
+        def create_op_builder(self, op_name):
+            if op_name in JIT_COMM_OP_BUILDERS:
+                return None
+            return super().create_op_builder(op_name)
+
+    return CpuAcceleratorWithoutJitOps
+
+
+def pipeline_topology(tensor: int, pipeline: int, data: int) -> PipeModelDataParallelTopology:
+    """DeepSpeed's rank grid for a pipeline module: axes (pipe, data, model), slowest to fastest."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    topology = PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=data)
+    return PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=data)
+
+
+def pipeline_grid_coords(tensor: int, pipeline: int, data: int) -> list[tuple[int, int, int]]:
+    """(pipe, data, model) coordinates DeepSpeed's pipeline grid gives each global rank, in rank order."""
+    topology = pipeline_topology(tensor, pipeline, data)
     coords = [topology.get_coord(rank) for rank in range(tensor * pipeline * data)]
     return [(coord.pipe, coord.data, coord.model) for coord in coords]
 
@@ -95,6 +150,97 @@ def set_log_level(level: str) -> None:
     from deepspeed.utils.logging import set_log_level_from_string
 
     set_log_level_from_string(level)
+
+
+# --- the pipeline module ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PipelineGridRanks:
+    """The global ranks of this rank's groups in a pipeline module's grid, and its stage."""
+
+    pipe: list[int]
+    data: list[int]
+    model: list[int]
+    stage: int
+
+
+def pipeline_module(layers: Sequence[LayerSpec], *, tensor: int, pipeline: int, data: int,
+                    stage_parts: list[int] | None = None, **options: Any) -> PipelineModule:
+    """DeepSpeed's ``PipelineModule(layers, topology=pipeline_topology(...), **options)``, changed twice.
+
+    ``stage_parts`` (``pipeline + 1`` entry indices, first 0, last ``len(layers)``): stage ``s`` holds
+    ``layers[stage_parts[s]:stage_parts[s + 1]]`` and ``partition_method`` is not used; DeepSpeed 0.19
+    has no explicit-boundary method. And the parameter counting its partition methods do builds every
+    layer of the whole model on every rank: here it builds them on the meta device (shapes only, no
+    memory, no init). Both override private ``PipelineModule`` methods.
+    """
+    return _pipeline_module_class()(list(layers), stage_parts=stage_parts,
+                                    topology=pipeline_topology(tensor, pipeline, data), **options)
+
+
+def pipeline_grid_ranks(module: PipelineModule) -> PipelineGridRanks:
+    """The groups DeepSpeed's pipeline grid (the module's, which its engine communicates over) puts
+    this rank in."""
+    grid = module._grid
+    return PipelineGridRanks(pipe=list(grid.pp_group), data=list(grid.dp_group), model=list(grid.slice_group),
+                             stage=grid.get_stage_id())
+
+
+@functools.cache
+def _pipeline_module_class() -> type:
+    """Defined on first use: it derives from DeepSpeed's class, and importing DeepSpeed takes seconds."""
+    from deepspeed.pipe import PipelineModule
+
+    class LnsPipelineModule(PipelineModule):
+        """``PipelineModule`` with explicit stage boundaries and parameters counted on the meta device."""
+
+        def __init__(self, layers: list[LayerSpec], *, stage_parts: list[int] | None, **kwargs: Any) -> None:
+            object.__setattr__(self, "_lnstrain_stage_parts", stage_parts)  # read during super().__init__
+            super().__init__(layers, **kwargs)
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            if self._lnstrain_stage_parts is None:
+                return super()._partition_layers(method)
+            self.parts = list(self._lnstrain_stage_parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def _count_layer_params(self) -> list[int]:
+            with torch.device("meta"):
+                return super()._count_layer_params()
+
+    return LnsPipelineModule
+
+
+# --- the JSON config --------------------------------------------------------------------------------
+def deepspeed_json_refusal(ds_json: Mapping[str, Any]) -> str | None:
+    """Why DeepSpeed's own config parser (``DeepSpeedConfig``, without process groups: one data-parallel
+    rank) refuses ``ds_json``, in one line; None when it accepts it. DeepSpeed's INFO log (its world
+    size) is silenced while it parses."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger as deepspeed_logger
+
+    level = deepspeed_logger.level
+    deepspeed_logger.setLevel("WARNING")
+    try:
+        DeepSpeedConfig(dict(ds_json))
+    except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises, it refuses this config
+        return _one_line(error)
+    finally:
+        deepspeed_logger.setLevel(level)
+    return None
+
+
+# DeepSpeed's pydantic models -> the JSON section each reads
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16"}
+
+
+def _one_line(error: Exception) -> str:
+    """A pydantic ValidationError as ``deepspeed.section.key: message; ...``; anything else as its first line."""
+    if hasattr(error, "errors") and hasattr(error, "title"):
+        section = _SECTIONS.get(error.title, error.title)
+        return "; ".join(f"deepspeed.{section}.{'.'.join(map(str, entry['loc']))}: {entry['msg']}"
+                         for entry in error.errors())
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 # --- the engine --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 from lnstrain.config.feasibility import asks_fp32_accumulation, optimizer_kind
 from lnstrain.config.loader import deep_merge
 from lnstrain.config.run_config import Config
+from lnstrain.deepspeed_adapter import deepspeed_json_refusal
 from lnstrain.estimate.parameters import largest_stage_parameters
 
 # DeepSpeed prints its own progress every N steps; lnstrain logs itself, so this is effectively never.
@@ -81,9 +82,6 @@ def deepspeed_config_problems(config: Config, world_size: int) -> list[str]:
     from lnstrain.parallel.deepspeed_comm import name_cpu_accelerator_if_no_cuda
 
     name_cpu_accelerator_if_no_cuda()  # before DeepSpeed's first import, which would warn otherwise
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.utils import logger as deepspeed_logger
-
     derived = deepspeed_config(config, world_size)
     batch = [derived.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                           "gradient_accumulation_steps")]
@@ -94,27 +92,9 @@ def deepspeed_config_problems(config: Config, world_size: int) -> list[str]:
                 "them from train.global_batch_size and train.micro_batch_size: remove them from the deepspeed: "
                 "section"]
     # without process groups DeepSpeed counts one data-parallel rank; the batch was checked above
-    checked = {**derived, "train_batch_size": batch[1] * batch[2]}
-    level = deepspeed_logger.level
-    deepspeed_logger.setLevel("WARNING")  # it logs its world size at INFO
-    try:
-        DeepSpeedConfig(checked)
-    except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises, it refuses this config
+    refusal = deepspeed_json_refusal({**derived, "train_batch_size": batch[1] * batch[2]})
+    if refusal is not None:
         return [f"deepspeed: DeepSpeed refuses the DeepSpeed JSON lnstrain derives from this config "
-                f"(with the deepspeed: section merged in): {_one_line(error)}"]
-    finally:
-        deepspeed_logger.setLevel(level)
+                f"(with the deepspeed: section merged in): {refusal}"]
     return []
 
-
-# DeepSpeed's pydantic models -> the JSON section each reads
-_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16"}
-
-
-def _one_line(error: Exception) -> str:
-    """A pydantic ValidationError as ``deepspeed.section.key: message; ...``; anything else as its first line."""
-    if hasattr(error, "errors") and hasattr(error, "title"):
-        section = _SECTIONS.get(error.title, error.title)
-        return "; ".join(f"deepspeed.{section}.{'.'.join(map(str, entry['loc']))}: {entry['msg']}"
-                         for entry in error.errors())
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

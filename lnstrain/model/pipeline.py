@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from lnstrain.deepspeed_adapter import pipeline_grid_ranks, pipeline_module
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.loss import weighted_token_loss
@@ -85,37 +85,13 @@ def explicit_parts(layers_per_stage: list[int], num_specs: int) -> list[int]:
     return parts
 
 
-class LnsPipelineModule(PipelineModule):
-    """``PipelineModule`` with explicit stage boundaries and cheap parameter counting.
-
-    DeepSpeed 0.19 has no explicit-boundary method, and its ``parameters`` method builds every layer
-    of the whole model on every rank to count parameters; here the counting builds them on the
-    meta device (shapes only, no memory, no init). Both override private DeepSpeed methods.
-    """
-
-    def __init__(self, layers: list[LayerSpec], *, stage_parts: list[int] | None = None, **kwargs) -> None:
-        object.__setattr__(self, "_lnstrain_stage_parts", stage_parts)  # read during super().__init__
-        super().__init__(layers, **kwargs)
-
-    def _partition_layers(self, method: str = "uniform") -> None:
-        if self._lnstrain_stage_parts is None:
-            return super()._partition_layers(method)
-        self.parts = list(self._lnstrain_stage_parts)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    def _count_layer_params(self) -> list[int]:
-        with torch.device("meta"):
-            return super()._count_layer_params()
-
-
 def check_grid_matches(module: PipelineModule, groups: ParallelGroups) -> None:
     """Assert that DeepSpeed's pipeline grid puts this rank in the same groups as ours."""
-    grid = module._grid
+    grid = pipeline_grid_ranks(module)
     ours = {"pipe": list(groups.pp_ranks), "data": list(groups.dp_ranks), "model": list(groups.tp_ranks)}
-    theirs = {"pipe": list(grid.pp_group), "data": list(grid.dp_group), "model": list(grid.slice_group)}
+    theirs = {"pipe": grid.pipe, "data": grid.data, "model": grid.model}
     assert ours == theirs, f"DeepSpeed's pipeline grid {theirs} differs from lnstrain's groups {ours}"
-    assert grid.get_stage_id() == groups.pp_rank, (grid.get_stage_id(), groups.pp_rank)
+    assert grid.stage == groups.pp_rank, (grid.stage, groups.pp_rank)
 
 
 def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
@@ -134,11 +110,10 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         raise ValueError("cannot build the pipeline:\n  " + "\n  ".join(problems))
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries
-    topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
-    module = LnsPipelineModule(
-        specs, topology=topology, loss_fn=PipelineLoss(model_cfg, groups),
-        partition_method=parallel_cfg.pipeline_partition,
+    module = pipeline_module(
+        specs, tensor=groups.tp_size, pipeline=groups.pp_size, data=groups.dp_size,
         stage_parts=explicit_parts(boundaries, len(specs)) if boundaries else None,
+        loss_fn=PipelineLoss(model_cfg, groups), partition_method=parallel_cfg.pipeline_partition,
         activation_checkpoint_interval=0)
     check_grid_matches(module, groups)
     return module

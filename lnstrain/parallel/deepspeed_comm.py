@@ -8,23 +8,19 @@ first start ~20 s. Training never uses those ops: DeepSpeed calls the shared-mem
 ``inference_all_reduce``; every training collective is torch.distributed's.
 
 So, on CPU, lnstrain hands DeepSpeed (through ``deepspeed.accelerator.set_accelerator``, its hook for
-custom accelerators) its own CPU accelerator minus those two op builders. DeepSpeed treats a missing
-builder as an unavailable op and uses torch.distributed, as it does on platforms where the op cannot
-be built; nothing else changes. ``DS_ACCELERATOR=cpu`` is set before DeepSpeed is first imported, so
-DeepSpeed does not warn that it fell back to the CPU. On CUDA machines nothing here changes anything.
+custom accelerators; ``lnstrain.deepspeed_adapter`` does it) its own CPU accelerator minus those two op
+builders. DeepSpeed treats a missing builder as an unavailable op and uses torch.distributed, as it does
+on platforms where the op cannot be built; nothing else changes. ``DS_ACCELERATOR=cpu`` is set before
+DeepSpeed is first imported, so DeepSpeed does not warn that it fell back to the CPU. On CUDA machines nothing here changes anything.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 
 logger = logging.getLogger(__name__)
-
-JIT_COMM_OP_BUILDERS = ("ShareMemCommBuilder", "CCLCommBuilder")
-"""The CPU accelerator's op builders that ``deepspeed.comm`` would compile at start-up."""
 
 
 def name_cpu_accelerator_if_no_cuda() -> None:
@@ -39,13 +35,10 @@ def name_cpu_accelerator_if_no_cuda() -> None:
 def use_accelerator_without_jit_ops() -> None:
     """On DeepSpeed's CPU accelerator: replace it with one whose comm op builders are absent, so that
     ``deepspeed.comm`` builds nothing. Must run before DeepSpeed's communication backend starts."""
-    name_cpu_accelerator_if_no_cuda()
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from lnstrain.deepspeed_adapter import JIT_COMM_OP_BUILDERS, use_cpu_accelerator_without_jit_ops
 
-    current = get_accelerator()
-    if isinstance(current, CPU_Accelerator) and not isinstance(current, _accelerator_class()):
-        set_accelerator(_accelerator_class()())
+    name_cpu_accelerator_if_no_cuda()
+    if use_cpu_accelerator_without_jit_ops():
         logger.debug("DeepSpeed's CPU accelerator without its JIT-compiled comm ops %s", JIT_COMM_OP_BUILDERS)
 
 
@@ -57,24 +50,3 @@ def init_deepspeed_comm(backend: str | None = None, timeout: datetime.timedelta 
 
     options = {"timeout": timeout} if timeout is not None else {}
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **options)
-
-
-@functools.cache
-def _accelerator_class() -> type:
-    """Defined on first use: it derives from DeepSpeed's class, and importing DeepSpeed takes seconds."""
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-    class CpuAcceleratorWithoutJitOps(CPU_Accelerator):
-        """DeepSpeed's CPU accelerator without the comm ops that would be JIT-compiled at start-up."""
-
-        def get_op_builder(self, class_name):
-            if class_name in JIT_COMM_OP_BUILDERS:
-                return None
-            return super().get_op_builder(class_name)
-
-        def create_op_builder(self, op_name):
-            if op_name in JIT_COMM_OP_BUILDERS:
-                return None
-            return super().create_op_builder(op_name)
-
-    return CpuAcceleratorWithoutJitOps
