@@ -1,7 +1,7 @@
 """The model as a DeepSpeed ``PipelineModule``: embedding, L transformer layers, output head.
 
-Every transformer layer spec carries its global 1-based number ``ℓ`` (docs/architecture.md, "Layer numbering"), so LayerNorm
-Scaling's 1/√ℓ never depends on the split. DeepSpeed's layer indices count every entry::
+Every transformer layer spec carries its global 1-based number ``ℓ`` (docs/architecture.md, "Layer
+numbering"), so LayerNorm Scaling's 1/√ℓ never depends on the split. DeepSpeed's layer indices count every entry::
 
     untied:  0 EmbeddingStage | 1..L TransformerBlock(ℓ = 1..L) | L+1 OutputStage
     tied:    0 EmbeddingStage* | 1..L TransformerBlock | L+1 FinalNormStage | L+2 EmbeddingStage* (logits)
