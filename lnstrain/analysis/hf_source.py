@@ -28,13 +28,12 @@ import torch
 from torch import nn
 
 from lnstrain.analysis.model_source import DepthModel
-from lnstrain.analysis.text_tokens import HFDocuments, load_hf_tokenizer
+from lnstrain.analysis.text_tokens import HFDocuments, import_transformers, load_hf_tokenizer
 from lnstrain.checkpoint.lns_fold import RECORD_KEY
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INSTALL_HINT = "pip install 'lnstrain[hf]' (transformers and safetensors)"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 
@@ -91,14 +90,6 @@ def family_of(path: str | Path, config: dict[str, Any]) -> HFFamily:
                          f"{supported_families()}. Others need their block list and norms added to "
                          "lnstrain/analysis/hf_source.py FAMILIES, with a test")
     return FAMILIES[model_type]
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ValueError(f"reading Hugging Face models needs transformers: {INSTALL_HINT} ({e})") from e
-    return transformers
 
 
 class HFDepthModel(DepthModel):
@@ -172,7 +163,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
     if not any((path / name).is_file() for name in _WEIGHT_FILES):
         raise ValueError(f"{path}: no weights ({' or '.join(_WEIGHT_FILES)})")
-    transformers = _transformers()
+    transformers = import_transformers()
     kwargs: dict[str, Any] = {_dtype_argument(transformers): DTYPES[dtype], "local_files_only": True,
                               "trust_remote_code": False}
     if device_map is not None:

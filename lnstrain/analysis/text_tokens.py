@@ -27,6 +27,7 @@ from typing import Any
 from lnstrain.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+INSTALL_HINT = "pip install 'lnstrain[hf]' (transformers and safetensors)"
 
 
 class DocumentTokenizer(ABC):
@@ -115,13 +116,18 @@ class HFDocuments(DocumentTokenizer):
         return [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))]
 
 
-def load_hf_tokenizer(path: str | os.PathLike) -> HFDocuments | None:
-    """The directory's tokenizer, or None when it has none that transformers can read."""
+def import_transformers():
+    """The transformers module, or ValueError saying how to install it."""
     try:
         import transformers
     except ImportError as e:
-        raise ValueError(f"reading a Hugging Face tokenizer needs transformers: pip install 'lnstrain[hf]' ({e})"
-                         ) from e
+        raise ValueError(f"reading Hugging Face models needs transformers: {INSTALL_HINT} ({e})") from e
+    return transformers
+
+
+def load_hf_tokenizer(path: str | os.PathLike) -> HFDocuments | None:
+    """The directory's tokenizer, or None when it has none that transformers can read."""
+    transformers = import_transformers()
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                                                trust_remote_code=False)
