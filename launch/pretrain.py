@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the checkpoint to resume from is trusted: fully unpickle its files that hold more than "
                              "tensors and DeepSpeed's known records, which can run code stored in them (same as "
                              "--set checkpoint.allow_pickle=true); without it such a file stops the launch")
+    parser.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                        help="save after step N and exit 75, as a signal would (a staged run: the same command "
+                             "without it continues); a run already at step N or later exits 75 at once")
     parser.add_argument("--verbose", action="store_true",
                         help="also show DeepSpeed's and other libraries' informational messages and lnstrain's "
                              "debug messages (default: lnstrain's progress lines and every warning)")
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from lnstrain.training.trainer import pretrain
 
     try:
-        result = pretrain(config)
+        result = pretrain(config, stop_at_step=args.stop_at_step)
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
         if rank == 0 or not error.agreed:  # an agreed failure: every rank holds the same message

@@ -9,6 +9,7 @@ import pytest
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
+from lnstrain.training.outcome import EXIT_STOPPED
 
 # Dropout makes the comparison depend on the restored RNG states as well as on weights, optimizer,
 # schedule and data position.
@@ -28,9 +29,11 @@ def straight_and_resumed(rank: int, world_size: int, corpus: TinyCorpus, root: P
     # TensorBoard and depth statistics only on the straight run: they must not change its losses.
     straight = pretrain(config("straight", *OBSERVED))
     interrupted = pretrain(config("resumed"), stop_at_step=3)
+    not_again = pretrain(config("resumed"), stop_at_step=2)  # already past it: trains nothing, saves nothing
     resumed = pretrain(config("resumed"))  # checkpoint.resume: auto finds latest
     rerun = pretrain(config("resumed"))  # already finished: resumes at the end, trains nothing
-    return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "rerun": rerun}
+    return {"straight": straight, "interrupted": interrupted, "not_again": not_again, "resumed": resumed,
+            "rerun": rerun}
 
 
 def check_resume(results: dict, world_size: int) -> None:
@@ -38,6 +41,9 @@ def check_resume(results: dict, world_size: int) -> None:
     assert sorted(straight.losses) == [1, 2, 3, 4, 5, 6]
     assert interrupted.stop_reason == "reached stop_at_step 3"
     assert sorted(interrupted.losses) == [1, 2, 3]
+    not_again = results["not_again"]
+    assert not_again.stop_reason == "already at step 3, stop_at_step 2" and not_again.losses == {}
+    assert not_again.exit_code == interrupted.exit_code == EXIT_STOPPED and not_again.last_checkpoint is None
     assert Path(resumed.resumed_from).name == "global_step3"
     assert sorted(resumed.losses) == [4, 5, 6]
     for step in range(1, 7):
