@@ -4,6 +4,7 @@ paper's claims for every (size, variant, training length), and where each claim'
 Files under ``<output_dir>/_study/depth/``:
 
     runs/<run>/step<N>/           one checkpoint's analysis (depth_analysis.json, CSVs; reused when present)
+                                  (and, with ``depth.archive``, a copy kept with the study: ``depth_archive``)
     compare/<size>_<variant>/step<N>/   the schemes side by side, with the claim table (report.md)
     claims.csv                    one row per (size, variant, step, claim, scheme): values and verdict
     layers.csv                    one row per (run, step, layer): ΔP, variance, d(l, l+1), norm gains
@@ -26,6 +27,7 @@ from pathlib import Path
 from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, evaluate_claims
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.study.depth_archive import DepthArchive, open_archive
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.spec import DepthCollection, Study
 
@@ -74,8 +76,10 @@ def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> Dep
     return analyze_model(model, batches, name=name)
 
 
-def run_analyses(study: Study, planned: Sequence[PlannedRun]) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
-    """Every available analysis (computed, or read back from an earlier collect), and what is missing."""
+def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
+                 ) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
+    """Every available analysis (read back from an earlier collect or the archive, or computed), and
+    what is missing. Each analysis found or computed here is also stored in the archive."""
     from lnstrain.checkpoint.metadata import is_complete
 
     depth, found, missing = study.spec.depth, [], []
@@ -86,8 +90,11 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun]) -> tuple[list[Chec
             step_dir = config.checkpoint_dir / f"global_step{step}"
             out_dir = root / p.run.name / f"step{step}"
             name = f"{p.run.scheme}_s{p.run.seed}"
+            archived = archive.load(p.run.name, step, config) if archive else None
             if (out_dir / "depth_analysis.json").is_file():
                 [analysis] = read_analyses(out_dir)
+            elif archived is not None:
+                analysis = archived
             elif step_dir.is_dir() and is_complete(step_dir):
                 logger.info("%s: depth analysis of step %d", p.run.name, step)
                 analysis = analyse_checkpoint(step_dir, depth, name)
@@ -95,6 +102,8 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun]) -> tuple[list[Chec
             else:
                 missing.append((p.run.name, step))
                 continue
+            if archive and archived is None:
+                archive.store(p.run.name, step, config, analysis)
             found.append(CheckpointAnalysis(p, step, step * config.tokens_per_step, analysis))
     return found, missing
 
@@ -223,7 +232,8 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
     """Analyse, compare and report; returns the files written."""
     out_dir = study.output_dir / "_study" / "depth"
     out_dir.mkdir(parents=True, exist_ok=True)
-    analyses, missing = run_analyses(study, planned)
+    archive = open_archive(study.spec.depth)
+    analyses, missing = run_analyses(study, planned, archive)
     comparisons = compare(study, analyses)
     files = {"claims": out_dir / "claims.csv", "layers": out_dir / "layers.csv", "depth report": out_dir / "report.md"}
     write_claims_csv(comparisons, files["claims"])
@@ -237,6 +247,12 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
              "it. \"holds from\": the first training length from which the claim holds at every later one "
              "analysed. Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
     lines += [f"![{path.name}]({path.name})" for path in plots] + [""]
+    if archive and archive.read:
+        lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root} (their "
+                  "checkpoints are not here).", ""]
+    if archive and archive.stale:
+        lines += [f"Not used from the archive {archive.root} (made from another config or data): "
+                  + "; ".join(archive.stale), ""]
     if missing:
         by_run: dict[str, list[str]] = defaultdict(list)
         for run, step in missing:

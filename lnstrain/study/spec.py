@@ -114,6 +114,9 @@ class DepthCollection:
             each step and ``checkpoint.keep_last`` unset.
         num_samples, batch_size: validation windows of ``seq_len + 1`` tokens, and their batching.
         reference: the scheme the others are compared with (the paper's baseline).
+        archive: a directory kept with the study (committed) that receives every checkpoint's
+            analysis with hashes of the run and data it came from; ``collect`` reads analyses back
+            from it when their checkpoints are gone (``study.depth_archive``). Empty: no archive.
     """
 
     data: str
@@ -121,6 +124,7 @@ class DepthCollection:
     num_samples: int = 64
     batch_size: int = 8
     reference: str = "pre_ln"
+    archive: str = ""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from lnstrain.study.depth import analysis_steps, collect_depth, turning_step
 from lnstrain.study.plan import plan_study
 from lnstrain.study.runs import study_runs
 from lnstrain.study.spec import DepthCollection, load_study
+from lnstrain.testing.tiny_corpus import build_tiny_corpus
 from tests.analysis.test_claims import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     """LNS's deep layers matter less than Pre-LN's at 300 steps and more from 600 on (synthetic)."""
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
     study.spec.output_dir = str(tmp_path)
+    study.spec.depth.archive = ""  # the study's data is not built here: test_depth_archive builds some
     study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
     study.spec.seeds = [1234]
     deep = {("pre_ln", 300): 0.05, ("pre_ln", 600): 0.05, ("lns", 300): 0.01, ("lns", 600): 0.08,
@@ -101,3 +103,38 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     # analyses are kept: a second collect reads them back instead of measuring again
     monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
     assert collect_depth(study, planned)["depth report"].read_text() == report
+
+
+def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkeypatch):
+    """A second session without the first one's checkpoints reads their analyses from the archive; an
+    archived analysis of a run trained otherwise (another lr) is reported stale and not used."""
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    study = load_study(REPO / "configs/studies/depth_turn.yaml")
+    study.spec.output_dir, study.spec.data_prefix = str(tmp_path / "session1"), str(corpus.prefix)
+    study.spec.tokenizer, study.spec.schemes, study.spec.seeds = str(corpus.tokenizer), ["pre_ln", "lns"], [1234]
+    study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
+    study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(tmp_path / "archive")
+    deep = {"pre_ln": 0.05, "lns": 0.02}
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: synthetic(
+        name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, deep[name.rsplit("_s", 1)[0]], 0.01)))
+    monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
+    planned = plan_study(study)
+    for p in planned:
+        for step in (300, 600):
+            (p.config.run.dir / "checkpoints" / f"global_step{step}").mkdir(parents=True)
+    first = collect_depth(study, planned)["depth report"].read_text()
+    archived = sorted(str(path.relative_to(tmp_path / "archive")) for path in (tmp_path / "archive").rglob("*.json"))
+    assert archived == [f"depth16x64_{scheme}_lr3e-3_s1234/step{step}.json"
+                        for scheme in ("lns", "pre_ln") for step in (300, 600)]
+
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
+    study.spec.output_dir = str(tmp_path / "session2")  # no checkpoints, no earlier collect
+    second = collect_depth(study, plan_study(study))["depth report"].read_text()
+    assert "4 of these analyses were read from the archive" in second
+    assert first.split("![")[0] == second.split("4 of these")[0].split("![")[0]  # the same tables
+
+    study.spec.variants = {"lr3e-3": ["optim.lr=1e-3", "train.steps=600"]}  # same name, trained otherwise
+    study.spec.output_dir = str(tmp_path / "session3")
+    third = collect_depth(study, plan_study(study))["depth report"].read_text()
+    assert "Not used from the archive" in third and "depth16x64_lns_lr3e-3_s1234 step 600" in third
+    assert "Not analysed yet (no complete checkpoint): depth16x64_pre_ln_lr3e-3_s1234 step 300, 600" in third
