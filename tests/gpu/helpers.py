@@ -81,5 +81,5 @@ def run_on(device_type: str, fn: Callable[..., Any], *args: Any, deterministic: 
     CUDA, gloo on the CPU); its result, which must hold CPU tensors only."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     (result,) = run_distributed(_on_device, 1, device_type, deterministic, fn, args, timeout_s=timeout_s,
-                                backend=backend)
+                                backend=backend, start_method="spawn")  # DeepSpeed picks its device on import
     return result

@@ -85,3 +85,22 @@ def _tensor_worker(rank, world_size):
 def test_run_distributed_returns_tensors():
     results = run_distributed(_tensor_worker, 2, timeout_s=60)
     assert [r["weights"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def _environment_worker(rank, world_size):
+    import os
+    import sys
+
+    return os.environ.get("LNSTRAIN_TEST_MARK"), os.getcwd(), os.environ["RANK"], "deepspeed" in sys.modules
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_current_environment_and_directory(tmp_path, monkeypatch, start_method):
+    """The fork server keeps the environment it started with: each rank must get the caller's, as now."""
+    run_distributed(_tensor_worker, 1, timeout_s=60, start_method=start_method)  # a server started before
+    monkeypatch.setenv("LNSTRAIN_TEST_MARK", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    results = run_distributed(_environment_worker, 2, timeout_s=60, start_method=start_method)
+    assert [r[:3] for r in results] == [("set after the first launch", str(tmp_path), str(rank)) for rank in (0, 1)]
+    assert all(r[3] for r in results) == (start_method == "forkserver")  # preloaded, or imported fresh
