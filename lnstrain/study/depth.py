@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import csv
 import logging
+import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, evaluate_claims
+from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, deep_layers, evaluate_claims
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
 from lnstrain.study.depth_archive import DepthArchive, open_archive
@@ -206,23 +207,42 @@ def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
             turned = "never" if turn is None else _tokens(next(c.tokens for c in series if c.step == turn))
             lines.append(f"| `{claim_id}` | {scheme} | " + " | ".join(cells) + f" | {turned} |")
         lines.append("")
-        lines += deep_half_table(series)
+        for title, statistic in SERIES_STATISTICS:
+            lines += series_table(series, title, statistic)
     return lines
 
 
-def deep_half_table(series: Sequence[Comparison]) -> list[str]:
-    """Mean ΔP of the deepest half (nats), per scheme (seed mean and values) against tokens."""
+def deep_half_mean_gain(analysis: DepthAnalysis) -> float | None:
+    """Mean effective pre-sublayer norm gain (attention and MLP) of the deepest half's layers."""
+    if not analysis.norm_gains:
+        return None
+    return statistics.fmean(gain for layer in deep_layers(analysis.num_layers)
+                            for gain in analysis.norm_gains[layer - 1])
+
+
+SERIES_STATISTICS: list[tuple[str, Callable[[DepthAnalysis], float | None]]] = [
+    ("Mean ΔP of the deepest half (nats", deep_half_mean_delta_loss),
+    ("Mean effective pre-sublayer norm gain of the deepest half (learned gain times the scheme's factor",
+     deep_half_mean_gain),
+    ("Validation loss of the measured windows (nats", lambda analysis: analysis.baseline.loss),
+]
+
+
+def series_table(series: Sequence[Comparison], title: str,
+                 statistic: Callable[[DepthAnalysis], float | None]) -> list[str]:
+    """One statistic per scheme (seed mean, each seed in brackets when several) against tokens."""
     schemes = list(dict.fromkeys(m.run.run.scheme for c in series for m in c.members))
-    lines = ["Mean ΔP of the deepest half (nats; seeds averaged, each seed in brackets when several):", "",
+    lines = [f"{title}; seeds averaged, each seed in brackets when several):", "",
              "| scheme | " + " | ".join(_tokens(c.tokens) for c in series) + " |", "|---|" + "---|" * len(series)]
     for scheme in schemes:
         cells = []
         for c in series:
-            values = [deep_half_mean_delta_loss(m.analysis) for m in c.members if m.run.run.scheme == scheme]
+            values = [statistic(m.analysis) for m in c.members if m.run.run.scheme == scheme]
+            values = [v for v in values if v is not None]
             if not values:
                 cells.append("–")
                 continue
-            cell = f"{sum(values) / len(values):.4f}"
+            cell = f"{statistics.fmean(values):.4f}"
             cells.append(cell if len(values) == 1 else cell + " (" + ", ".join(f"{v:.4f}" for v in values) + ")")
         lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     return lines + [""]

@@ -79,7 +79,7 @@ class DepthArchive:
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {"format": FORMAT_VERSION, "run": run, "step": step, "trained_as": trained_as(config),
                   "measured_on": self.measured_on, "analysis": analysis.to_dict()}
-        write_atomically(path, json.dumps(record, indent=1) + "\n")
+        write_atomically(path, json.dumps(record, separators=(",", ":")) + "\n")
 
 
 def open_archive(depth: DepthCollection) -> DepthArchive | None:

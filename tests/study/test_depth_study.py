@@ -77,7 +77,10 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     def fake_analysis(step_dir, depth, name):
         scheme = name.rsplit("_s", 1)[0]
         value = deep[(scheme, int(step_dir.name.removeprefix("global_step")))]
-        return synthetic(name, scheme, delta=(1.0, 0.5, value, value))
+        analysis = synthetic(name, scheme, delta=(1.0, 0.5, value, value), loss=4.0 + value)
+        if scheme == "lns":  # effective gains of layers 1-4 (attention, MLP)
+            analysis.norm_gains = [[1.0, 1.0], [0.7, 0.7], [0.5, 0.3], [0.2, 0.2]]
+        return analysis
 
     monkeypatch.setattr(study_depth, "analyse_checkpoint", fake_analysis)
     monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
@@ -94,7 +97,12 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     report = files["depth report"].read_text()
     assert "| `lns_deep_layers_matter_more` | lns | ✗ | ✓ | 614K |" in report
     assert "| `lns_deep_layers_matter_more` | lns_gain_init | ✓ | ✓ | 307K |" in report
-    assert "| lns | 0.0100 | 0.0800 |" in report
+    section = report.split("### depth16x64_lr3e-3")[1]
+    deep_dp, rest = section.split("Mean ΔP of the deepest half")[1].split("Mean effective pre-sublayer norm gain")
+    gains, losses = rest.split("Validation loss of the measured windows")
+    assert "| lns | 0.0100 | 0.0800 |" in deep_dp and "| lns | 0.3000 | 0.3000 |" in gains
+    assert "| pre_ln | – | – |" in gains  # older analyses hold no gains
+    assert "| lns_gain_init | 4.0600 | 4.0900 |" in losses
     with open(files["layers"]) as handle:
         layers = list(csv.DictReader(handle))
     assert len(layers) == 3 * 2 * 4  # schemes x steps x layers
