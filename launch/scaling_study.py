@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         (report_dir / "plan.json").write_text(json.dumps(plan_rows(planned), indent=2) + "\n", encoding="utf-8")
         text += f"\n\nStatus of each run in {study.output_dir}:"
         for p in planned:
-            text += f"\n- {p.run.name}: {run_status(p.config.run.dir, p.config.total_steps)}"
+            text += f"\n- {p.run.name}: {run_status(p.config.run.dir, p.config.checkpoint_dir, p.config.total_steps)}"
         print(text)
         return 1 if refused else 0
 

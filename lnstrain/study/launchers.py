@@ -19,7 +19,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnstrain.run_files import CHECKPOINTS_DIR, JOB_SCRIPT, LAUNCH_LOG, SLURM_JOB_ID_FILE, STUDY_CONFIG_FILE
+from lnstrain.run_files import JOB_SCRIPT, LAUNCH_LOG, SLURM_JOB_ID_FILE, STUDY_CONFIG_FILE
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
 from lnstrain.study.slurm import render_sbatch, submit
@@ -37,12 +37,12 @@ class LaunchResult:
     detail: str = ""
 
 
-def run_status(run_dir: Path, total_steps: int) -> str:
-    """``finished``, ``partial`` (checkpoints exist, will resume) or ``new``."""
+def run_status(run_dir: Path, checkpoint_dir: Path, total_steps: int) -> str:
+    """``finished``, ``partial`` (checkpoints exist in ``checkpoint_dir``, the run's ``checkpoint_dir``
+    wherever ``checkpoint.dir`` puts it: it will resume) or ``new``."""
     if final_metrics(run_dir, total_steps) is not None:
         return "finished"
-    checkpoints = run_dir / CHECKPOINTS_DIR
-    return "partial" if checkpoints.is_dir() and any(checkpoints.iterdir()) else "new"
+    return "partial" if checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir()) else "new"
 
 
 def training_command(config_path: Path, gpus: int, cluster: ClusterProfile) -> list[str]:
@@ -106,7 +106,7 @@ def _launch_here(study: Study, planned: PlannedRun, config_path: Path) -> Launch
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with open(log_path, "a", encoding="utf-8") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    if code == 0 and run_status(planned.config.run.dir, planned.config.total_steps) == "finished":
+    if code == 0 and run_status(planned.config.run.dir, planned.config.checkpoint_dir, planned.config.total_steps) == "finished":
         return LaunchResult(planned.run.name, "completed")
     return LaunchResult(planned.run.name, "failed", f"exit code {code}; see {log_path}")
 
@@ -118,7 +118,7 @@ def launch_study(study: Study, planned: list[PlannedRun]) -> list[LaunchResult]:
         if run.error:
             results.append(LaunchResult(run.run.name, "failed", f"not launched: {run.error}"))
             continue
-        if run_status(run.config.run.dir, run.config.total_steps) == "finished":
+        if run_status(run.config.run.dir, run.config.checkpoint_dir, run.config.total_steps) == "finished":
             results.append(LaunchResult(run.run.name, "finished"))
             continue
         config_path = prepare_run_dir(run)

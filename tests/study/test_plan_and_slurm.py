@@ -86,8 +86,9 @@ def test_local_and_deepspeed_commands(tmp_path):
                             "--master_addr", "n1", "--master_port", "29500"]
     with pytest.raises(ValueError, match="do not fit one node"):
         training_command(config, 16, ClusterProfile(gpus_per_node=8))
-    (tmp_path / "checkpoints" / "global_step3").mkdir(parents=True)
-    assert run_status(tmp_path, 6) == "partial" and run_status(tmp_path / "absent", 6) == "new"
+    (tmp_path / "elsewhere" / "global_step3").mkdir(parents=True)  # checkpoint.dir outside the run directory
+    assert run_status(tmp_path, tmp_path / "elsewhere", 6) == "partial"
+    assert run_status(tmp_path, tmp_path / "checkpoints", 6) == "new"
 
 
 FAKE_SRUN = """#!/bin/bash
