@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["plan", "run", "collect"])
     parser.add_argument("study", help="study YAML, e.g. configs/studies/lns_scaling.yaml")
     parser.add_argument("--skip-refused", action="store_true", help="run: launch the runs that fit, skip the rest")
+    parser.add_argument("--no-launch", action="store_true",
+                        help="run: write each unfinished run's directory and study_config.yaml, launch nothing "
+                             "(to start runs your own way, e.g. several at once)")
     parser.add_argument("--mfu-from", metavar="BENCH_JSON",
                         help="plan: GPU-hours at the MFU a `tools/benchmark.py --json` file measured, instead of the "
                              "study's assumed cluster.mfu")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print("refusing to launch: " + "; ".join(f"{p.run.name}: {p.error}" for p in refused)
                   + "\n(rerun with --skip-refused to launch the others)", file=sys.stderr)
             return 1
-        results = launch_study(study, [p for p in planned if not p.error])
+        results = launch_study(study, [p for p in planned if not p.error], launch=not args.no_launch)
         for result in results:
             print(f"{result.run:<32} {result.status:<10} {result.detail}")
         return 1 if any(r.status == "failed" for r in results) else 0

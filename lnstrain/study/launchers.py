@@ -111,8 +111,9 @@ def _launch_here(study: Study, planned: PlannedRun, config_path: Path) -> Launch
     return LaunchResult(planned.run.name, "failed", f"exit code {code}; see {log_path}")
 
 
-def launch_study(study: Study, planned: list[PlannedRun]) -> list[LaunchResult]:
-    """Launch every unfinished run; refused (does-not-fit) runs are reported as failed, not launched."""
+def launch_study(study: Study, planned: list[PlannedRun], launch: bool = True) -> list[LaunchResult]:
+    """Launch every unfinished run; refused (does-not-fit) runs are reported as failed, not launched.
+    ``launch=False`` writes each unfinished run's directory and config only (status ``written``)."""
     results = []
     for run in planned:
         if run.error:
@@ -122,7 +123,10 @@ def launch_study(study: Study, planned: list[PlannedRun]) -> list[LaunchResult]:
             results.append(LaunchResult(run.run.name, "finished"))
             continue
         config_path = prepare_run_dir(run)
-        launch = _launch_slurm if study.cluster.launcher == "slurm" else _launch_here
-        results.append(launch(study, run, config_path))
+        if not launch:
+            results.append(LaunchResult(run.run.name, "written", str(config_path)))
+            continue
+        launcher = _launch_slurm if study.cluster.launcher == "slurm" else _launch_here
+        results.append(launcher(study, run, config_path))
         logger.info("%s: %s %s", run.run.name, results[-1].status, results[-1].detail)
     return results

@@ -201,3 +201,21 @@ def test_plan_states_its_speed_assumption_and_takes_a_measured_mfu(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "not a tools/benchmark.py --json file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_run_without_launching_writes_each_unfinished_runs_config(tmp_path, monkeypatch):
+    from lnstrain.config.run_config import load_config
+    from lnstrain.study import launchers
+
+    monkeypatch.setattr(launchers, "_launch_here", lambda *a: pytest.fail("launched"))
+    study = load_study(STUDIES / "depth_turn.yaml")
+    study.spec.output_dir, study.spec.seeds, study.spec.variants = str(tmp_path), [1234], {"short": ["train.steps=6"]}
+    planned = plan_study(study)
+    finished = planned[0].config.run.dir
+    finished.mkdir(parents=True)
+    (finished / "final_metrics.json").write_text('{"step": 6, "tokens": 6144, "eval_loss": 5.0, "eval_ppl": 148.4}')
+    results = launchers.launch_study(study, planned, launch=False)
+    assert [r.status for r in results] == ["finished", "written", "written"]
+    written = load_config(results[1].detail)
+    assert (written.run.name, written.model.norm_scheme.value, written.train.steps) == (planned[1].run.name, "lns", 6)
+    assert not (finished / "study_config.yaml").exists()
