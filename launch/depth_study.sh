@@ -8,7 +8,15 @@
 #     launch/depth_study.sh collect         # only the analyses and reports of what has finished
 #
 # Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
-# depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png).
+# depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png). Every checkpoint's analysis is
+# also kept in docs/depth_study/ (committed, depth.archive): `collect` on a machine without the
+# checkpoints regenerates the depth report from it, provided the corpus built here is the same
+# (the archive records its hashes; docs/depth_analysis.md gives the SHA-256 of the token file).
+#
+# Two runs at once on 2 cores, in stages (what docs/depth_analysis.md's results came from):
+#     python launch/scaling_study.py run configs/studies/depth_turn.yaml --no-launch
+#     OMP_NUM_THREADS=1 nice -n 19 python launch/pretrain.py \
+#         --config depth_study/runs/<run>/study_config.yaml --stop-at-step 2400   # and so on
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
