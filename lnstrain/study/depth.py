@@ -128,9 +128,12 @@ def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Compar
 
 def turning_step(verdicts: Sequence[tuple[int, bool | None]]) -> int | None:
     """The first step from which the claim holds at every later analysed step (None: it does not hold
-    at the last one). ``verdicts``: (step, holds) in step order."""
+    at the last one). ``verdicts``: (step, holds) in step order; ``holds`` None (not testable there,
+    e.g. a run not analysed at that length yet) is skipped."""
     turn = None
     for step, holds in verdicts:
+        if holds is None:
+            continue
         if holds:
             turn = step if turn is None else turn
         else:
@@ -204,7 +207,10 @@ def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
                 cells.append("–" if result is None else _mark(result))
                 verdicts.append((c.step, None if result is None else result.holds))
             turn = turning_step(verdicts)
-            turned = "never" if turn is None else _tokens(next(c.tokens for c in series if c.step == turn))
+            if all(holds is None for _, holds in verdicts):
+                turned = "–"
+            else:
+                turned = "never" if turn is None else _tokens(next(c.tokens for c in series if c.step == turn))
             lines.append(f"| `{claim_id}` | {scheme} | " + " | ".join(cells) + f" | {turned} |")
         lines.append("")
         for title, statistic in SERIES_STATISTICS:
@@ -265,7 +271,7 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
              f"Each checkpoint measured on {study.spec.depth.num_samples} windows of {study.spec.depth.data}. "
              "✓ holds, ✗ does not hold, = tie, – not testable; ~ after a mark: the seeds do not all agree with "
              "it. \"holds from\": the first training length from which the claim holds at every later one "
-             "analysed. Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
+             "where it is testable (– lengths are skipped). Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
     lines += [f"![{path.name}]({path.name})" for path in plots] + [""]
     if archive and archive.read:
         lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root} (their "

@@ -53,6 +53,8 @@ def test_variant_names_and_depth_reference_are_checked(tmp_path):
     ([(1, True), (2, False), (3, True)], 3),
     ([(1, True), (2, True), (3, False)], None),
     ([(1, None), (2, True)], 2),
+    ([(1, True), (2, True), (3, None)], 1),  # not analysed at the last length yet: skipped
+    ([(1, False), (2, None)], None),
     ([], None),
 ])
 def test_turning_step(verdicts, turn):
