@@ -96,6 +96,7 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 [analysis] = read_analyses(out_dir)
             elif archived is not None:
                 analysis = archived
+                archive.read.append(f"{p.run.name} step {step}")
             elif step_dir.is_dir() and is_complete(step_dir):
                 logger.info("%s: depth analysis of step %d", p.run.name, step)
                 analysis = analyse_checkpoint(step_dir, depth, name)
@@ -274,8 +275,8 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
              "where it is testable (– lengths are skipped). Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
     lines += [f"![{path.name}]({path.name})" for path in plots] + [""]
     if archive and archive.read:
-        lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root} (their "
-                  "checkpoints are not here).", ""]
+        lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root}, not measured "
+                  "here (nor kept by an earlier collect here).", ""]
     if archive and archive.stale:
         lines += [f"Not used from the archive {archive.root} (made from another config or data): "
                   + "; ".join(archive.stale), ""]

@@ -54,7 +54,7 @@ class DepthArchive:
     stale: list[str] = field(default_factory=list)
     """``run step N`` of each archived analysis that did not match (reported by ``collect``)."""
     read: list[str] = field(default_factory=list)
-    """``run step N`` of each analysis taken from the archive."""
+    """``run step N`` of each analysis taken from the archive (recorded by ``study.depth.run_analyses``)."""
 
     def path(self, run: str, step: int) -> Path:
         return self.root / run / f"step{step}.json"
@@ -71,7 +71,6 @@ class DepthArchive:
             logger.warning("%s: made with a different %s than this study's; not used", path, " and ".join(differing))
             self.stale.append(f"{run} step {step}")
             return None
-        self.read.append(f"{run} step {step}")
         return DepthAnalysis.from_dict(record["analysis"])
 
     def store(self, run: str, step: int, config: Config, analysis: DepthAnalysis) -> None:

@@ -138,6 +138,7 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
                         for scheme in ("lns", "pre_ln") for step in (300, 600)]
 
     monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
+    assert "read from the archive" not in collect_depth(study, planned)["depth report"].read_text()  # kept here
     study.spec.output_dir = str(tmp_path / "session2")  # no checkpoints, no earlier collect
     second = collect_depth(study, plan_study(study))["depth report"].read_text()
     assert "4 of these analyses were read from the archive" in second
