@@ -89,6 +89,20 @@ def reservoir_sample(cfg: TokenizerTrainingConfig, paths: list[str]) -> tuple[li
     return sample, stats
 
 
+def _forget_model_prefix(model_path: str) -> None:
+    """Clear the output path sentencepiece records in the model (here a temporary name with a process
+    id), so that the same sample and settings give the same bytes, and so the same checksum, wherever
+    and whenever they are trained."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_path, "rb") as handle:
+        proto.ParseFromString(handle.read())
+    proto.trainer_spec.ClearField("model_prefix")
+    with open(model_path, "wb") as handle:
+        handle.write(proto.SerializeToString())
+
+
 def train_tokenizer(cfg: TokenizerTrainingConfig, paths: list[str]) -> TokenizerTrainingReport:
     """Sample sentences, train, and write ``<output_prefix>.model``/``.vocab`` (atomically renamed)."""
     if cfg.model_type not in ("bpe", "unigram"):
@@ -117,6 +131,7 @@ def train_tokenizer(cfg: TokenizerTrainingConfig, paths: list[str]) -> Tokenizer
             if os.path.exists(tmp_prefix + ext):
                 os.remove(tmp_prefix + ext)
         raise ValueError(f"sentencepiece training failed: {e}") from e
+    _forget_model_prefix(tmp_prefix + ".model")
     for ext in (".model", ".vocab"):
         os.replace(tmp_prefix + ext, cfg.output_prefix + ext)
     t2 = time.perf_counter()

@@ -190,3 +190,15 @@ def test_large_vocabulary_writes_int32(tmp_path, demo_corpus, demo_prefix, token
     assert dtype == "int32" and IndexedDataset(prefix).dtype == np.int32
     narrow = IndexedDataset(demo_prefix)
     assert seqs[:50] == [narrow[i].tolist() for i in range(50)]
+
+
+def test_retraining_a_tokenizer_elsewhere_gives_the_same_bytes(tmp_path, demo_corpus, tokenizer_model):
+    """The model holds no output path (sentencepiece records one): its checksum, which checkpoints
+    and the depth study's archive compare, names the vocabulary, not where or when it was trained."""
+    from lnstrain.data.tokenizer import file_sha256
+    from lnstrain.data.tokenizer_training import train_tokenizer
+
+    prefix = str(tmp_path / "elsewhere" / "other_name")
+    train_tokenizer(TokenizerTrainingConfig(inputs=[], output_prefix=prefix, vocab_size=500, model_type="bpe"),
+                    [os.path.join(demo_corpus, "train.jsonl")])
+    assert file_sha256(prefix + ".model") == file_sha256(tokenizer_model)
