@@ -28,7 +28,7 @@ from pathlib import Path
 from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, deep_layers, evaluate_claims
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
-from lnstrain.study.depth_archive import DepthArchive, open_archive
+from lnstrain.study.depth_archive import DepthArchive, open_archive, trained_as
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.spec import DepthCollection, Study
 
@@ -87,11 +87,12 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
     root = study.output_dir / "_study" / "depth" / "runs"
     for p in planned:
         config = p.config
+        trained = trained_as(config) if archive else ""  # hashes the run's data: once per run
         for step in analysis_steps(depth, config.total_steps):
             step_dir = config.checkpoint_dir / f"global_step{step}"
             out_dir = root / p.run.name / f"step{step}"
             name = f"{p.run.scheme}_s{p.run.seed}"
-            archived = archive.load(p.run.name, step, config) if archive else None
+            archived = archive.load(p.run.name, step, trained) if archive else None
             if (out_dir / "depth_analysis.json").is_file():
                 [analysis] = read_analyses(out_dir)
             elif archived is not None:
@@ -105,7 +106,7 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 missing.append((p.run.name, step))
                 continue
             if archive and archived is None:
-                archive.store(p.run.name, step, config, analysis)
+                archive.store(p.run.name, step, trained, analysis)
             found.append(CheckpointAnalysis(p, step, step * config.tokens_per_step, analysis))
     return found, missing
 

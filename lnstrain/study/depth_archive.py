@@ -59,13 +59,14 @@ class DepthArchive:
     def path(self, run: str, step: int) -> Path:
         return self.root / run / f"step{step}.json"
 
-    def load(self, run: str, step: int, config: Config) -> DepthAnalysis | None:
-        """The archived analysis of ``run`` at ``step``, if there is one made from the same run and data."""
+    def load(self, run: str, step: int, trained: str) -> DepthAnalysis | None:
+        """The archived analysis of ``run`` at ``step``, if there is one made from the same run
+        (``trained``: its ``trained_as`` hash) and data."""
         path = self.path(run, step)
         if not path.is_file():
             return None
         record = json.loads(path.read_text(encoding="utf-8"))
-        expected = {"format": FORMAT_VERSION, "trained_as": trained_as(config), "measured_on": self.measured_on}
+        expected = {"format": FORMAT_VERSION, "trained_as": trained, "measured_on": self.measured_on}
         differing = [key for key, value in expected.items() if record.get(key) != value]
         if differing:
             logger.warning("%s: made with a different %s than this study's; not used", path, " and ".join(differing))
@@ -73,10 +74,10 @@ class DepthArchive:
             return None
         return DepthAnalysis.from_dict(record["analysis"])
 
-    def store(self, run: str, step: int, config: Config, analysis: DepthAnalysis) -> None:
+    def store(self, run: str, step: int, trained: str, analysis: DepthAnalysis) -> None:
         path = self.path(run, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"format": FORMAT_VERSION, "run": run, "step": step, "trained_as": trained_as(config),
+        record = {"format": FORMAT_VERSION, "run": run, "step": step, "trained_as": trained,
                   "measured_on": self.measured_on, "analysis": analysis.to_dict()}
         write_atomically(path, json.dumps(record, separators=(",", ":")) + "\n")
 
