@@ -50,6 +50,7 @@ EXIT_BAD_INPUT = 2
 CONFIG_1B = "configs/bench/1b_seq2048.yaml"
 CONFIG_7B = "configs/bench/7b_width_seq4096.yaml"
 CONFIG_TINY = "configs/bench/tiny.yaml"
+CONFIG_TINY_WIDE = "configs/bench/tiny_wide.yaml"  # the dry run's depth pair: layers dominate its step
 DRY_RUN_TESTS = "tests/gpu/test_kernels_on_device.py"
 OUTPUT_TAIL_LINES = 40
 
@@ -66,7 +67,7 @@ class Benchmark:
 
 def benchmarks(dry_run: bool) -> list[Benchmark]:
     """Every benchmark, in run order; the dry run swaps in the tiny shape and a few steps on the CPU."""
-    big, wide = (CONFIG_TINY, CONFIG_TINY) if dry_run else (CONFIG_1B, CONFIG_7B)
+    big, wide = (CONFIG_TINY, CONFIG_TINY_WIDE) if dry_run else (CONFIG_1B, CONFIG_7B)
     ffn = "96" if dry_run else "5632"
 
     def steps(count: int, warmup: int = 3) -> tuple[str, ...]:

@@ -122,6 +122,7 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
     study.spec.output_dir, study.spec.data_prefix = str(tmp_path / "session1"), str(corpus.prefix)
     study.spec.tokenizer, study.spec.schemes, study.spec.seeds = str(corpus.tokenizer), ["pre_ln", "lns"], [1234]
+    study.spec.set = [f"data.valid_sources=[{{prefix: {corpus.prefix}}}]"]  # not the study's own corpus
     study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
     study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(tmp_path / "archive")
     deep = {"pre_ln": 0.05, "lns": 0.02}

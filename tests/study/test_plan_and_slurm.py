@@ -15,6 +15,7 @@ from lnstrain.study.plan import format_plan, plan_study
 from lnstrain.study.runs import compose_run_config
 from lnstrain.study.slurm import expand_nodelist, hostfile_text, render_sbatch
 from lnstrain.study.spec import ClusterProfile, SlurmOptions, load_study
+from lnstrain.testing.tiny_corpus import build_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 STUDIES = REPO / "configs" / "studies"
@@ -208,8 +209,11 @@ def test_run_without_launching_writes_each_unfinished_runs_config(tmp_path, monk
     from lnstrain.study import launchers
 
     monkeypatch.setattr(launchers, "_launch_here", lambda *a: pytest.fail("launched"))
+    corpus = build_tiny_corpus(tmp_path / "corpus")  # the written configs are checked: their files must exist
     study = load_study(STUDIES / "depth_turn.yaml")
     study.spec.output_dir, study.spec.seeds, study.spec.variants = str(tmp_path), [1234], {"short": ["train.steps=6"]}
+    study.spec.data_prefix, study.spec.tokenizer = str(corpus.prefix), str(corpus.tokenizer)
+    study.spec.set = [f"data.valid_sources=[{{prefix: {corpus.prefix}}}]"]
     planned = plan_study(study)
     finished = planned[0].config.run.dir
     finished.mkdir(parents=True)
