@@ -4,12 +4,12 @@ plain ``python`` launch a one-rank world), and ``run_distributed``, which runs a
 
 Ranks are never forked from the caller (a forked child inherits the caller's threads and torch state,
 which deadlocks gloo). By default they fork from multiprocessing's fork server, a clean process that
-has imported torch, DeepSpeed and lnstrain's trainer once, which saves each rank those seconds of
-imports; ``start_method="spawn"`` starts a fresh interpreter per rank instead, for code that must
-import DeepSpeed itself (it chooses its accelerator on import). Either way a rank runs with the
-caller's current environment variables and working directory, finds the others on a free local
-port, logs with a rank prefix, and all are killed if any rank fails or the timeout passes, so a
-broken collective fails the test instead of hanging it.
+has imported torch, DeepSpeed, lnstrain's trainer and what an engine build imports once, which saves
+each rank those seconds of imports; ``start_method="spawn"`` starts a fresh interpreter per rank
+instead, for code that must import DeepSpeed itself (it chooses its accelerator on import). Either
+way a rank runs with the caller's current environment variables and working directory, finds the
+others on a free local port, logs with a rank prefix, and all are killed if any rank fails or the
+timeout passes, so a broken collective fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ import traceback
 from typing import Any, Callable
 
 RankFunction = Callable[..., Any]
-FORK_SERVER_MODULES = ["torch", "torch.distributed", "deepspeed", "lnstrain.training.trainer"]
+# The first torch optimizer imports torch._dynamo, and DeepSpeed's ZeRO optimizer check imports
+# torch.compile's backend (torch._inductor): together ~5 s of every engine build in a new process.
+FORK_SERVER_MODULES = ["torch", "torch.distributed", "deepspeed", "lnstrain.training.trainer", "torch._dynamo",
+                       "torch._inductor.compile_fx"]
 
 
 def free_port() -> int:
