@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from lnstrain.training.preflight import run_problems
 
         local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-        problems = run_problems(typed, world_size, local_rank)
+        problems = run_problems(typed, world_size, local_rank, rank)
     except ConfigError as error:
         fail_on_every_rank(error.problems, args.config, rank, world_size)
     if problems:
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.checkpoint.errors import CheckpointError
     from lnstrain.checkpoint.write_errors import CheckpointWriteError
+    from lnstrain.training.run_lock import RunDirectoryInUse
     from lnstrain.training.trainer import pretrain
 
     try:
@@ -227,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SAVE_FAILED
     except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
         print(f"lnstrain: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+    except RunDirectoryInUse as error:  # another trainer runs on this run directory: every rank stops
+        if rank == 0:
+            print(f"lnstrain: nothing was started: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")

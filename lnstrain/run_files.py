@@ -9,6 +9,8 @@
                             the scalar ``eval/loss`` at the last step
     final_metrics.json      {"step", "tokens", "eval_loss", "eval_ppl"}, written last by rank 0 when
                             the run finishes: naming the last step, it marks the run finished
+    .lnstrain.lock          rank 0's flock while a trainer runs: a second trainer stops (exit 2);
+                            also in ``checkpoint.dir`` when that lies elsewhere (training/run_lock.py)
 
 and, when a study or ``launch/slurm/make_sbatch.py`` launches the run::
 
@@ -34,6 +36,7 @@ CHECKPOINTS_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 EVAL_LOSS_TAG = "eval/loss"
 FINAL_METRICS_FILE = "final_metrics.json"
+RUN_LOCK_FILE = ".lnstrain.lock"
 
 STUDY_CONFIG_FILE = "study_config.yaml"
 LAUNCH_LOG = "launch.log"

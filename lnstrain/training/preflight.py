@@ -166,13 +166,24 @@ def file_problems(config: Config) -> list[str]:
     return problems
 
 
+def in_use_problems(config: Config) -> list[str]:
+    """A trainer running on this run's directories now (the trainer's own lock decides; this says it
+    before any rank waits at the rendezvous)."""
+    from lnstrain.training.run_lock import lock_directories, probe
+
+    directories = lock_directories(config.run.dir, config.checkpoint_dir)
+    return [message for message in map(probe, directories) if message]
+
+
 def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
-                       unreadable_keys: tuple[str, ...] = ()) -> list[str]:
+                       unreadable_keys: tuple[str, ...] = (), rank: int = 0) -> list[str]:
     """Every problem with the config, this machine, the files, the output directories and the resume checkpoint.
 
     Creates the run and checkpoint directories (proving they are writable), unless a key that
     places them is in ``unreadable_keys`` (keys whose written value could not be read, which hold
-    their defaults; problems that name them are left out).
+    their defaults; problems that name them are left out). Only global rank 0 looks for another
+    trainer on the run directory: rank 0 of this launch may already hold it while another rank is
+    still checking (no rendezvous orders them), and must not be taken for another trainer.
     """
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
 
@@ -191,6 +202,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
         if config.checkpoint.dir or not run_dir_problems:
             checkpoint_dir_problems = writable_dir_problems(config.checkpoint_dir, checkpoint_key)
             problems += checkpoint_dir_problems or checkpoint_space_problems(config)
+        if rank == 0:
+            problems += in_use_problems(config)
     if not problems:
         problems += resume_problems(config, compare_data=True, world_size=world_size)
     else:
@@ -198,8 +211,9 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     return [problem for problem in problems if not unreadable.about_unreadable_keys(problem)]
 
 
-def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0) -> list[str]:
+def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0, rank: int = 0) -> list[str]:
     """``read_config``'s typing problems and, when the config could be built, every preflight problem."""
     if typed.value is None:
         return list(typed.problems)
-    return typed.problems + preflight_problems(typed.value, world_size, local_rank, tuple(typed.unreadable_keys))
+    return typed.problems + preflight_problems(typed.value, world_size, local_rank, tuple(typed.unreadable_keys),
+                                               rank)

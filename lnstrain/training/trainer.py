@@ -37,6 +37,7 @@ from lnstrain.training.outcome import EXIT_NONFINITE, EXIT_STOPPED
 from lnstrain.training.preflight import tokenizer_checksum
 from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
+from lnstrain.training.run_lock import hold_run_directories, lock_directories
 from lnstrain.training.signals import StopController
 
 if TYPE_CHECKING:
@@ -304,5 +305,9 @@ class Trainer:
 
 
 def pretrain(config: Config, stop_at_step: int | None = None) -> TrainingResult:
-    """Train ``config`` on this rank (collective: every rank of the world calls it)."""
-    return Trainer(config).train(stop_at_step)
+    """Train ``config`` on this rank (collective: every rank of the world calls it). Rank 0 holds the
+    run directory for the whole run; if another trainer holds it, every rank raises
+    ``RunDirectoryInUse`` before anything is written."""
+    directories = lock_directories(config.run.dir, config.checkpoint_dir)
+    with hold_run_directories(directories, dist.get_rank(), dist.get_world_size()):
+        return Trainer(config).train(stop_at_step)

@@ -1,0 +1,163 @@
+"""One trainer per run directory: rank 0 holds an exclusive lock on it for the whole of ``pretrain``.
+
+Two trainers on one run directory (the same command started twice, a study launched from two
+shells, a resubmitted job while the first still runs) would both save ``global_step<N>/`` and
+``latest`` and overwrite each other's checkpoints. The second one to start stops instead, on every
+rank, with exit 2 and a message naming the holder (host, PID, start time, SLURM job).
+
+The lock is ``flock`` on ``<dir>/.lnstrain.lock`` (``run_files.RUN_LOCK_FILE``) in the run directory
+and, when it lies elsewhere, the checkpoint directory. The kernel releases it when the holder exits,
+however it ends (a SIGKILL or an out-of-memory kill included), so there is no stale lock to clean up
+and the file itself is left in place (deleting it would let a second trainer lock a new file while
+the first holds the old one). Linux's NFS client forwards ``flock`` to the server's lock manager, so
+trainers on different nodes see each other's locks; a file system without locks (Lustre mounted
+without ``-o flock``, for one) is logged as a warning and the run goes ahead unprotected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from lnstrain.run_files import RUN_LOCK_FILE
+
+logger = logging.getLogger(__name__)
+
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunDirectoryInUse(RuntimeError):
+    """Another trainer holds the run directory; every rank raises it with the same message."""
+
+
+def lock_directories(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
+    """The directories a trainer writes and must hold alone: the run directory, and the checkpoint
+    directory when it is not inside it."""
+    run_dir, checkpoint_dir = Path(run_dir), Path(checkpoint_dir)
+    inside = checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
+    return [run_dir] if inside else [run_dir, checkpoint_dir]
+
+
+def _holder_record() -> str:
+    record = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if os.environ.get("SLURM_JOB_ID"):
+        record["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    return json.dumps(record) + "\n"
+
+
+def describe_holder(lock_path: Path) -> str:
+    """Who holds ``lock_path``, as its holder recorded it (or why that is unknown)."""
+    try:
+        record = json.loads(lock_path.read_text(encoding="utf-8"))
+        described = f"PID {record['pid']} on {record['host']}, since {record['started']}"
+        return described + (f", SLURM job {record['slurm_job']}" if record.get("slurm_job") else "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not recorded itself yet"
+
+
+def in_use_message(directory: Path) -> str:
+    lock_path = directory / RUN_LOCK_FILE
+    return (f"{directory} is in use by another trainer ({describe_holder(lock_path)}): two trainers on one "
+            f"run directory overwrite each other's checkpoints; wait for it to end or stop it, or give this run "
+            f"another run.name or run.output_dir")
+
+
+def _unsupported(directory: Path, error: OSError) -> None:
+    logger.warning("cannot lock %s (%s): this file system has no flock; nothing stops a second trainer on "
+                   "this run directory", directory, error.strerror or error)
+
+
+def probe(directory: Path) -> str | None:
+    """The in-use message when a trainer holds ``directory`` now, else None (takes no lock; every
+    rank can probe at once: probes share, only a trainer's lock excludes)."""
+    lock_path = Path(directory) / RUN_LOCK_FILE
+    try:
+        descriptor = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None  # never locked (or unreadable: the trainer's own open reports that)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return in_use_message(Path(directory))
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)  # releases the shared probe lock
+    return None
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on one directory's lock file, held until ``release``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.descriptor: int | None = None
+
+    def acquire(self) -> str | None:
+        """Lock; None on success (or where the file system has no locks), else the in-use message."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.directory / RUN_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return in_use_message(self.directory)
+        except OSError as error:
+            os.close(descriptor)
+            if error.errno not in _NO_LOCKS:
+                raise
+            _unsupported(self.directory, error)
+            return None
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, _holder_record().encode(), 0)
+        self.descriptor = descriptor
+        return None
+
+    def release(self) -> None:
+        if self.descriptor is not None:
+            fcntl.flock(self.descriptor, fcntl.LOCK_UN)
+            os.close(self.descriptor)
+            self.descriptor = None
+
+
+def _agree(message: str | None, rank: int, world_size: int) -> str | None:
+    """Rank 0's verdict on every rank (collective when there are several ranks)."""
+    if world_size == 1:
+        return message
+    import torch.distributed as dist
+
+    verdict = [message if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+@contextlib.contextmanager
+def hold_run_directories(directories: Sequence[Path], rank: int, world_size: int) -> Iterator[None]:
+    """Rank 0 locks every directory for the body; if another trainer holds one, every rank raises
+    ``RunDirectoryInUse`` before anything is written (collective)."""
+    locks: list[DirectoryLock] = []
+    message = None
+    if rank == 0:
+        for directory in directories:
+            lock = DirectoryLock(directory)
+            message = lock.acquire()
+            if message:
+                break
+            locks.append(lock)
+    try:
+        message = _agree(message, rank, world_size)
+        if message:
+            raise RunDirectoryInUse(message)
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
