@@ -33,6 +33,8 @@ from typing import TypedDict
 
 RUN_CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+"""In the checkpoint directory: the name of the newest complete ``global_step<N>``."""
 TENSORBOARD_DIR = "tensorboard"
 EVAL_LOSS_TAG = "eval/loss"
 FINAL_METRICS_FILE = "final_metrics.json"

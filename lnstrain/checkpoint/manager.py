@@ -29,12 +29,13 @@ from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.finite_state import nonfinite_state
 from lnstrain.checkpoint.integrity import (FileRecord, Verdict, check_step_dir, file_record, marker_text,
                                            recording_deepspeed_files)
-from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, LATEST_FILE, METADATA_FILE,
-                                          CheckpointMetadata, fsync_tree, is_complete, load_rng_state,
-                                          read_metadata, restore_rng_state, rng_file, save_rng_state,
-                                          step_dir_name, step_of, write_atomically)
+from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, METADATA_FILE, CheckpointMetadata,
+                                          fsync_tree, is_complete, load_rng_state, read_metadata,
+                                          restore_rng_state, rng_file, save_rng_state, step_dir_name, step_of,
+                                          write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
+from lnstrain.run_files import LATEST_FILE
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine

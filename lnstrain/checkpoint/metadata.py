@@ -25,11 +25,11 @@ import torch
 
 from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.safe_load import load_tensors
+from lnstrain.run_files import LATEST_FILE
 
 METADATA_FILE = "lnstrain_metadata.json"
 CONFIG_FILE = "config.yaml"
 COMPLETE_MARKER = "lnstrain_complete"
-LATEST_FILE = "latest"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^global_step(\d+)$")

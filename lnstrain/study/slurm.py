@@ -26,7 +26,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from lnstrain.run_files import CHECKPOINTS_DIR, HOSTFILE_PREFIX, SLURM_JOBS_LOG, SLURM_OUTPUT
+from lnstrain.run_files import CHECKPOINTS_DIR, HOSTFILE_PREFIX, LATEST_FILE, SLURM_JOBS_LOG, SLURM_OUTPUT
 from lnstrain.study.spec import ClusterProfile, SlurmOptions
 from lnstrain.training.outcome import EXIT_STOPPED
 
@@ -116,7 +116,7 @@ def _resume_lines(job_name: str, run_dir: Path, checkpoint_dir: Path, options: S
     """Bash around the launch: one line when the job (re)starts, the run's outcome after it, and the
     requeue (exit 75: stopped before the last step) or, in a chain, the refusal to go on after a failure."""
     jobs_log = shlex.quote(str(run_dir / SLURM_JOBS_LOG))
-    latest = shlex.quote(str(checkpoint_dir / "latest"))
+    latest = shlex.quote(str(checkpoint_dir / LATEST_FILE))
     job = 'job $SLURM_JOB_ID restart $RESTARTS${LNSTRAIN_CHAIN_LINK:+ (chain link $LNSTRAIN_CHAIN_LINK)}'
     stopped = EXIT_STOPPED
     if options.requeue:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lnstrain.checkpoint.manager import apply_retention, newest_checkpoint, resolve_resume
-from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, LATEST_FILE, METADATA_FILE, CheckpointMetadata,
-                                          load_rng_state, restore_rng_state, save_rng_state)
+from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, METADATA_FILE, CheckpointMetadata, load_rng_state,
+                                          restore_rng_state, save_rng_state)
 from lnstrain.config.run_config import load_config
+from lnstrain.run_files import LATEST_FILE
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 
 
