@@ -37,6 +37,9 @@ Internals (no stability promise):
   them), ``deepspeed.runtime.checkpoint_engine.TorchCheckpointEngine`` and its
   ``zipfile_serialization``;
 * the engine's step counters ``global_steps``, ``global_samples``, ``skipped_steps``;
+* the engine's ``mpu``: the groups lnstrain passed to ``initialize``, or for a pipeline engine the
+  ``PipelineParallelGrid`` it took from the module, whose ``get_model_parallel_group`` spans one
+  data-parallel replica's tensor and pipeline ranks (the group lnstrain's own clipping sums over);
 * optimizer wrappers (ZeRO, bf16, fp16): the torch optimizer in ``.optimizer``, the fp16 scale in
   ``cur_scale`` (``FP16_Optimizer``) or ``loss_scale`` (ZeRO), ``_lazy_init_hp_params_optimizer_state``
   and ``_hp_optimizer_states_linked`` (the per-parameter views of flat optimizer state);
@@ -290,6 +293,13 @@ def restore_step_counters(engine: DeepSpeedEngine, counters: Mapping[str, int]) 
         raise ValueError(f"not DeepSpeed engine step counters: {unknown} (known: {STEP_COUNTERS})")
     for name, value in counters.items():
         setattr(engine, name, value)
+
+
+def model_parallel_group(engine: DeepSpeedEngine) -> Any:
+    """The process group of one data-parallel replica's model shards (tensor and pipeline ranks) as
+    the engine sees it, or None when the engine has no model parallelism."""
+    mpu = getattr(engine, "mpu", None)
+    return mpu.get_model_parallel_group() if mpu is not None else None
 
 
 # --- optimizers --------------------------------------------------------------------------------------

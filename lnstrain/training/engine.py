@@ -29,7 +29,8 @@ from lnstrain.config.feasibility import check_layout, optimizer_kind, overcounte
 from lnstrain.config.run_config import Config
 from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_name, base_optimizer,
                                         call_before_pipeline_optimizer_step, checkpoint_file_io, fp16_loss_scale,
-                                        load_checkpoint_files, relink_optimizer_state, restore_step_counters)
+                                        load_checkpoint_files, model_parallel_group, relink_optimizer_state,
+                                        restore_step_counters)
 from lnstrain.model.build import build_model
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
@@ -118,7 +119,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
     if own_clipping:
         params = [p for p in module.parameters() if p.requires_grad]
         clip_hook = GradClipHook(params, config.optim.grad_clip, groups.tp_rank,
-                                 engine.mpu.get_model_parallel_group() if engine.mpu is not None else None)
+                                 model_parallel_group(engine))
         optimizer.register_step_pre_hook(clip_hook)
         if engine.optimizer is not optimizer:  # NonFiniteGradientSkip's overflow flag must reach DeepSpeed
             raise RuntimeError(f"DeepSpeed wrapped the fp32 ZeRO-0 optimizer in {type(engine.optimizer).__name__}; "
