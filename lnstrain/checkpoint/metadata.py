@@ -25,7 +25,6 @@ import torch
 
 from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.safe_load import load_tensors
-from lnstrain.run_files import LATEST_FILE
 
 METADATA_FILE = "lnstrain_metadata.json"
 CONFIG_FILE = "config.yaml"

@@ -183,7 +183,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     places them is in ``unreadable_keys`` (keys whose written value could not be read, which hold
     their defaults; problems that name them are left out). Only global rank 0 looks for another
     trainer on the run directory: rank 0 of this launch may already hold it while another rank is
-    still checking (no rendezvous orders them), and must not be taken for another trainer.
+    still checking (nothing makes every rank finish its checks first), and must not be taken for another
+    trainer.
     """
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
 
