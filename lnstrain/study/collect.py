@@ -56,7 +56,9 @@ def markdown_table(rows: list[dict], sizes: list[str], schemes: list[str]) -> st
              "|---|---|" + "---|" * len(schemes)]
     for size in sizes:
         cells = [f"{means[(size, s)][2]:.2f}" if (size, s) in means else "—" for s in schemes]
-        lines.append(f"| {size} | {params[size] / 1e6:,.0f}M | " + " | ".join(cells) + " |")
+        millions = params[size] / 1e6
+        shown = f"{millions:,.0f}M" if millions >= 100 else f"{millions:.3g}M"  # the depth studies' sizes are < 10M
+        lines.append(f"| {size} | {shown} | " + " | ".join(cells) + " |")
     lines += ["", "| run | eval loss | eval ppl | tokens | status |", "|---|---|---|---|---|"]
     for r in rows:
         loss = f"{r['eval_loss']:.4f}" if r["status"] == "done" else "—"
