@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
-from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
+from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, finished_step  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the checkpoint to resume from is trusted: fully unpickle its files that hold more than "
                              "tensors and DeepSpeed's known records, which can run code stored in them (same as "
                              "--set checkpoint.allow_pickle=true); without it such a file stops the launch")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="resume a checkpoint whose files cannot be verified: saved by an lnstrain before checksums, "
+                             "or, with checkpoint.signing_key_file, unsigned (same as --set "
+                             "checkpoint.allow_unverified=true); a damaged or forged checkpoint is never used")
     parser.add_argument("--stop-at-step", type=int, default=None, metavar="N",
                         help="save after step N and exit 75, as a signal would (a staged run: the same command "
                              "without it continues); a run already at step N or later exits 75 at once")
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     overrides += ["checkpoint.allow_pickle=true"] if args.allow_pickle else []
+    overrides += ["checkpoint.allow_unverified=true"] if args.allow_unverified else []
     if args.dry_run:
         try:
             dry_run(args, overrides, world_size)
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.checkpoint.errors import CheckpointError
     from lnstrain.checkpoint.write_errors import CheckpointWriteError
+    from lnstrain.data.token_check import TokenIdError
     from lnstrain.training.run_lock import RunDirectoryInUse
     from lnstrain.training.trainer import pretrain
 
@@ -227,8 +233,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lnstrain: {error}", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
-        print(f"lnstrain: {error}", file=sys.stderr)
+        logger.debug("the refusal", exc_info=True)
+        if rank == 0 or not error.agreed:  # an agreed refusal: every rank holds the same message
+            print(f"lnstrain: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
+    except TokenIdError as error:  # a token file changed under the run: its rank stops, the launcher stops the rest
+        print(f"lnstrain: rank {rank}: {error}", file=sys.stderr)
+        return EXIT_FAILED
     except RunDirectoryInUse as error:  # another trainer runs on this run directory: every rank stops
         if rank == 0:
             print(f"lnstrain: nothing was started: {error}", file=sys.stderr)

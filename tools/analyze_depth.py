@@ -40,6 +40,7 @@ from lnstrain.analysis.report import read_analyses, write_report  # noqa: E402
 from lnstrain.analysis.text_tokens import (  # noqa: E402
     DocumentTokenizer, SentencePieceDocuments, check_vocabularies_agree, load_data_tokenizer,
 )
+from lnstrain.checkpoint.verifier import add_trust_arguments, trust_from_arguments  # noqa: E402
 from lnstrain.config.loader import add_override_argument  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--hf", metavar="DIR", help="a local Hugging Face model directory (model_type llama, "
                                                     "mistral, qwen2 or qwen3), read through transformers")
     add_override_argument(source, "model.norm_scheme=lns")
+    add_trust_arguments(source)  # a checkpoint is verified first, as a resume would (docs/checkpoints.md)
     p.add_argument("--compare", nargs="+", metavar="RUN",
                    help="runs to put side by side: analysis folders/JSON files, checkpoints or Hugging Face "
                         "directories (these two need --data or --text); runs of the same norm scheme count as "
@@ -141,7 +143,8 @@ class OpenedModel:
 def open_lnstrain(args: argparse.Namespace, **source: str | None) -> OpenedModel:
     from lnstrain.analysis.model_loading import load_for_analysis
 
-    config, model = load_for_analysis(**source, overrides=args.overrides, device=args.device)
+    trust = trust_from_arguments(args, source.get("checkpoint")) if source.get("checkpoint") else None
+    config, model = load_for_analysis(**source, overrides=args.overrides, device=args.device, trust=trust)
     kind = "checkpoint" if source.get("checkpoint") else "state dict"
     return OpenedModel(LnstrainDepthModel(model, source=f"lnstrain {kind}, fp32"),
                        tokenizer_path=args.tokenizer or config.data.tokenizer or None,
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         runs = analyze_runs(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # a CheckpointError (nothing verifies) is a ValueError
         print(f"analyze_depth: {e}", file=sys.stderr)
         return 2
     duplicates = sorted({run.name for run in runs if [r.name for r in runs].count(run.name) > 1})

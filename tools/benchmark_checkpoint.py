@@ -1,18 +1,21 @@
 #!/usr/bin/env python
 """What lnstrain's checkpoint checks cost: a save with them against DeepSpeed's plain save, and a
-resume's verification of every file.
+resume's verification of every file, each also as a fraction of DeepSpeed's plain save.
 
     python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --dir /tmp/checkpoint_bench
+    python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --set precision.dtype=fp32 --dir /tmp/b
 
 One rank builds the config's model and DeepSpeed engine, takes one optimizer step on random tokens
 (so the Adam moments exist), then alternates --repeats times: DeepSpeed's own save_checkpoint plus
 an fsync (what a save costs without lnstrain's checks), and lnstrain's CheckpointManager.save (the
 finiteness check, SHA-256 of every file as it is written, the RNG/metadata files, fsync, the
-completion marker). It also times the finiteness check alone and the resume's verification of the
-saved files (size and SHA-256 of each, the pickle scan) twice: right after the save (page cache
-warm) and after asking the kernel to drop the files' cached pages (posix_fadvise DONTNEED: a cold
-read, as after a restart on another node). Prints the medians of wall-clock and process CPU time
-(all threads; the steadier of the two on a shared machine). Files are deleted after each save.
+completion marker, signed with a throw-away key). It also times the finiteness check alone, SHA-256
+of the saved files alone, the pre-launch check's quick verification (marker, listing, sizes,
+metadata) and the resume's full verification (size and SHA-256 of each file, the pickle scan) twice:
+right after the save (page cache warm) and after asking the kernel to drop the files' cached pages
+(posix_fadvise DONTNEED: a cold read, as after a restart on another node). Prints the medians of
+wall-clock and process CPU time (all threads; the steadier of the two on a shared machine), and
+each as a fraction of DeepSpeed's save. Files are deleted after each save.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     init_deepspeed_comm("gloo")
     from lnstrain.benchmark.runners import synthetic_micro_batches
     from lnstrain.checkpoint.finite_state import nonfinite_state
-    from lnstrain.checkpoint.integrity import check_step_dir
+    from lnstrain.checkpoint.verifier import check_step_dir
     from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
     from lnstrain.checkpoint.metadata import fsync_tree
     from lnstrain.config.run_config import load_config
@@ -77,13 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     from lnstrain.training.engine import build_engine
 
     directory = Path(args.dir)
-    overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null"]
+    key_file = directory.parent / f".{directory.name}-benchmark.key"  # outside the checkpoint directory
+    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(descriptor, os.urandom(32).hex().encode())
+    os.close(descriptor)
+    overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null",
+                                                     f"checkpoint.signing_key_file={key_file}"]
     config = load_config(args.config, overrides, 1, validate=False)
     engine = build_engine(config, ParallelGroups.build(1, 1))
     engine.train_step(synthetic_micro_batches(config, engine.accumulation_steps, seed=0))
     manager = CheckpointManager(config, (1, 1, 1), None, None)
 
-    plain, checked, finite, warm, cold, sizes = [], [], [], [], [], []
+    trust = Trust(key=read_signing_key(key_file))
+    plain, checked, finite, hashing, quick, warm, cold, sizes = [], [], [], [], [], [], [], []
     for repeat in range(args.repeats):
         plain_dir = directory / f"plain{repeat}"
 
@@ -96,25 +105,31 @@ def main(argv: list[str] | None = None) -> int:
         checked.append(timed(lambda: manager.save(engine, TrainingPosition(step=repeat + 1))))
         step_dir = directory / f"global_step{repeat + 1}"
         finite.append(timed(lambda: nonfinite_state(engine)))
-        warm.append(timed(lambda: check_step_dir(step_dir)))
+        files = [p for p in step_dir.rglob("*") if p.is_file()]
+        hashing.append(timed(lambda: [file_record(p, 0) for p in files]))
+        quick.append(timed(lambda: check_step_dir(step_dir, trust, depth=QUICK)))
+        warm.append(timed(lambda: check_step_dir(step_dir, trust)))
         drop_cached_pages(step_dir)
-        cold.append(timed(lambda: check_step_dir(step_dir)))
+        cold.append(timed(lambda: check_step_dir(step_dir, trust)))
         sizes.append(sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file()))
         shutil.rmtree(step_dir)
 
+    key_file.unlink()
     parameters = sum(p.numel() for p in engine.module.parameters())
     gib = statistics.median(sizes) / 2**30
     rows = [("DeepSpeed save + fsync", plain), ("lnstrain save (all checks)", checked),
-            ("  finiteness check alone", finite), ("resume verification, warm", warm),
+            ("  finiteness check alone", finite), ("SHA-256 of the files alone", hashing),
+            ("pre-launch check (quick)", quick), ("resume verification, warm", warm),
             ("resume verification, cold", cold)]
-    print(f"{args.config}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
+    print(f"{args.config} {' '.join(args.overrides)}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
           f"ZeRO-{config.parallel.zero_stage}, 1 rank; checkpoint {gib:.2f} GiB; medians of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}")
+    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}{'wall/DS save':>14}{'CPU/DS save':>13}")
+    base_wall, base_cpu = (statistics.median(v[i] for v in plain) for i in (0, 1))
     for label, values in rows:
         wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
-        rate = f"   {gib / wall:.2f} GiB/s" if label.startswith("resume") else ""
-        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{rate}")
+        rate = f"   {gib / wall:.2f} GiB/s" if label.startswith(("resume", "SHA")) else ""
+        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{wall / base_wall:14.2f}{cpu / base_cpu:13.2f}{rate}")
     return 0
 
 

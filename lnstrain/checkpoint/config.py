@@ -34,6 +34,14 @@ class CheckpointConfig:
             (zero) optimizer moments.
         allow_pickle: trust this run's checkpoints: load DeepSpeed's files even where their pickle
             names classes beyond the allow-list (``--allow-pickle``; docs/checkpoints.md).
+        allow_unverified: use a checkpoint whose files cannot be verified: one saved by an lnstrain
+            before checksums, or, with ``signing_key_file``, an unsigned one (``--allow-unverified``).
+            A damaged or forged checkpoint is never used.
+        signing_key_file: a file holding a secret key (at least 32 bytes, mode 600, outside the run
+            and checkpoint directories). Each save signs its completion marker with it (HMAC-SHA256
+            of every file's name, size and SHA-256), and a resume uses only checkpoints signed with
+            it: anyone who can write the run directory but not read the key cannot make a
+            checkpoint this run loads. Unset (the default): no signatures.
         verify_checksums: on resume, compare every file's SHA-256 with what its save recorded (one
             extra read of the checkpoint before loading it). ``false`` checks sizes and the pickle
             scan only: for very large checkpoints on a slow file system, at the price of loading a
@@ -51,6 +59,8 @@ class CheckpointConfig:
     init_from_unfold_lns: bool | None = None
     reshard_with_fresh_optimizer: bool = False
     allow_pickle: bool = False
+    allow_unverified: bool = False
+    signing_key_file: str | None = None
     verify_checksums: bool = True
 
     def validate(self) -> list[str]:

@@ -193,9 +193,9 @@ class TrainingEngine:
         self._deepspeed.save_checkpoint(str(step_dir.parent), tag=step_dir.name, save_latest=False,
                                         client_state=client_state or {})
 
-    def load_checkpoint(self, step_dir: Path) -> bool:
-        """Restore weights, optimizer and schedule from ``step_dir`` (saved at this layout); False when
-        DeepSpeed found nothing to load there."""
+    def load_checkpoint(self, step_dir: Path) -> dict[str, Any] | None:
+        """Restore weights, optimizer and schedule from ``step_dir`` (saved at this layout): the
+        ``client_state`` its save stored, or None when DeepSpeed found nothing to load there."""
         return load_checkpoint_files(self._deepspeed, str(step_dir.parent), step_dir.name)
 
     def restore_step_counters(self, counters: Mapping[str, int]) -> None:

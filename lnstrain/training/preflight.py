@@ -15,8 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
-from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.locations import link_problems, resolve_resume
+from lnstrain.checkpoint.manager import data_mismatch_problems
+from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, step_of
+from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_checkpoint, nothing_verifies
 from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
 
@@ -59,6 +62,25 @@ def writable_dir_problems(path: Path, key: str) -> list[str]:
     return []
 
 
+def run_trust(config: Config) -> Trust | None:
+    """The run's opt-ins and signing key (``verifier.Trust``); None when the key file is unusable
+    (``signing_key_problems`` says why)."""
+    try:
+        return Trust.from_config(config.checkpoint, [config.run.dir, config.checkpoint_dir])
+    except CheckpointError:
+        return None
+
+
+def signing_key_problems(config: Config) -> list[str]:
+    """``checkpoint.signing_key_file`` is a readable key of the owner's only, outside the run and
+    checkpoint directories."""
+    try:
+        Trust.from_config(config.checkpoint, [config.run.dir, config.checkpoint_dir])
+    except CheckpointError as error:
+        return [str(error)]
+    return []
+
+
 def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
     """The model shape must be the checkpoint's (DeepSpeed would fail later, after the queue wait)."""
     try:
@@ -74,9 +96,15 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     """The checkpoint to resume from exists, is complete, has this run's model shape, can be
     resharded to this run's layout (given ``world_size``) and (``compare_data``) was trained on this
     run's data and tokenizer."""
-    step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    if step_dir is None or problems:
+    step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir, log=False)
+    trust = run_trust(config)
+    if step_dir is None or problems or trust is None:
         return problems
+    explicit = step_of(Path(config.checkpoint.resume)) is not None
+    choice = choose_checkpoint(step_dir, trust, not explicit, lambda d: check_step_dir(d, trust, depth=QUICK), log=False)
+    if choice.step_dir is None:  # QUICK scans no pickles: never a refusal
+        return [nothing_verifies(step_dir, explicit, choice.skipped)]
+    step_dir = choice.step_dir  # what the resume will verify in full, and fall back from if need be
     problems = model_mismatch_problems(config, step_dir)
     if world_size is not None and not problems:
         from lnstrain.checkpoint.reshard import reshard_problems
@@ -160,9 +188,12 @@ def file_problems(config: Config) -> list[str]:
         except ValueError:
             pass  # reported by tokenizer_problems
     problems = token_file_problems(config.data, config.model.vocab_size, tokenizer_vocab)
-    step_dir, _ = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    if config.checkpoint.init_from and step_dir is None:  # a resumed run ignores init_from
-        problems += init_from_problems(config.checkpoint.init_from, config.model, config.checkpoint.init_from_unfold_lns)
+    problems += signing_key_problems(config)
+    step_dir, _ = resolve_resume(config.checkpoint.resume, config.checkpoint_dir, log=False)
+    trust = run_trust(config)
+    if config.checkpoint.init_from and step_dir is None and trust is not None:  # a resumed run ignores init_from
+        problems += init_from_problems(config.checkpoint.init_from, config.model, config.checkpoint.init_from_unfold_lns,
+                                       trust)
     return problems
 
 
@@ -203,6 +234,7 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
         if config.checkpoint.dir or not run_dir_problems:
             checkpoint_dir_problems = writable_dir_problems(config.checkpoint_dir, checkpoint_key)
             problems += checkpoint_dir_problems or checkpoint_space_problems(config)
+        problems += link_problems(config.run.dir, config.checkpoint_dir)
         if rank == 0:
             problems += in_use_problems(config)
     if not problems:

@@ -138,7 +138,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         train = self.config.train
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
-                        self.groups.dp_rank, self.groups.dp_size)
+                        self.groups.dp_rank, self.groups.dp_size, vocab_size=self.config.model.vocab_size)
 
     def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
         """The checkpoint written, or None when the state was not finite and nothing was saved."""
@@ -172,7 +172,8 @@ class Trainer:
         start = position.consumed_samples
         if self._micro_batches is None or self._iterator_at != start:
             self._micro_batches = iterate_micro_batches(self.train_data, start, self.global_batch, self.micro_batch,
-                                                        self.groups.dp_rank, self.groups.dp_size)
+                                                        self.groups.dp_rank, self.groups.dp_size,
+                                                        vocab_size=self.config.model.vocab_size)
         batch = list(itertools.islice(self._micro_batches, self.accumulation))
         if len(batch) < self.accumulation:
             raise RuntimeError(f"training data ran out at step {position.step + 1} ({start} samples consumed)")
