@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
+from lnstrain.checkpoint.deepspeed_files import OPTIMIZER_PARTITION
 from lnstrain.checkpoint.manager import CLIENT_STATE_KEY
-from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, read_metadata
+from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, read_metadata, saved_config_data
 from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_of, saved_pipeline_name_mapper,
                                              single_process_shapes, tensor_parallel_template)
-from lnstrain.checkpoint.deepspeed_files import OPTIMIZER_PARTITION
 from lnstrain.checkpoint.safe_load import load_deepspeed_file, zero3_fp32_weights
 from lnstrain.checkpoint.verifier import Trust, open_checkpoint
-from lnstrain.config.run_config import Config, load_config
+from lnstrain.config.run_config import Config, config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,13 @@ class FullState:
 
 # --- the step directory's config -------------------------------------------------------------------
 def read_step_config(step_dir: str | os.PathLike) -> Config:
-    """The resolved run config saved in the step directory."""
+    """The resolved run config saved in the step directory (a verified one: ``verifier``). It is the
+    config as resolved, so a ``base:`` in it, which would read another file, is refused."""
     path = Path(step_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} is missing: not an lnstrain checkpoint (no resolved config)")
-    return load_config(path, validate=False)
+    data = saved_config_data(path)
+    return config_from_dict(data, source=str(path))
 
 
 def read_saved_layout(step_dir: str | os.PathLike, allow_pickle: bool = False) -> SavedLayout:

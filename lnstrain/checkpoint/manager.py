@@ -262,7 +262,8 @@ class CheckpointManager:
         allow-list and the checkpoint is not trusted (``checkpoint.allow_pickle``): that is never
         silently skipped.
         """
-        choice = choose_checkpoint(step_dir, self.trust, fall_back, lambda d: verify_collectively(d, self.trust))
+        choice = choose_checkpoint(step_dir, self.trust, fall_back, lambda d: verify_collectively(d, self.trust),
+                                   log=_global_rank() == 0)  # every rank holds the same merged verdicts
         if choice.refusal:
             raise CheckpointError(choice.refusal, agreed=True)
         return choice.step_dir, choice.skipped

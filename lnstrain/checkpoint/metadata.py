@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from lnstrain.checkpoint import save_points
 from lnstrain.checkpoint.safe_load import load_tensors
@@ -35,6 +36,7 @@ RNG_DIR = "rng"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"global_step(0|[1-9][0-9]{0,17})")
 MAX_METADATA_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 16 << 20
 
 
 @dataclass
@@ -133,6 +135,20 @@ def read_metadata(step_dir: str | os.PathLike) -> CheckpointMetadata:
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
     return CheckpointMetadata.from_json(text, str(path))
+
+
+def saved_config_data(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping a step directory's ``config.yaml`` holds; ``ValueError`` (or ``OSError``) naming it
+    when it is not UTF-8 YAML of an lnstrain run config (a model section, no ``base:``)."""
+    try:
+        data = yaml.safe_load(read_regular_file(path, MAX_CONFIG_BYTES).decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path}: not a YAML run config ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: not an lnstrain run config (no model section)")
+    if "base" in data:
+        raise ValueError(f"{path}: names base files, which a resolved config never does")
+    return data
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -32,17 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lnstrain.checkpoint.deepspeed_files import layout_problems
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.integrity import FileRecord, MarkerError, file_record, read_marker
 from lnstrain.checkpoint.locations import complete_step_dirs, newest_checkpoint
 from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, CONFIG_FILE, METADATA_FILE, RNG_DIR, is_complete,
-                                          read_metadata, step_of)
+                                          read_metadata, saved_config_data, step_of)
 from lnstrain.checkpoint.safe_load import OPT_IN, unsafe_globals
 from lnstrain.checkpoint.signing import KeyFileError, SigningKey, check_signature, read_signing_key
-from lnstrain.no_follow import is_link, read_regular_file
+from lnstrain.no_follow import is_link
 from lnstrain.run_files import CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
@@ -52,7 +50,6 @@ QUICK, FULL = "quick", "full"
 metadata and config and compares the other files' sizes; ``FULL`` hashes everything and scans the
 pickles."""
 UNVERIFIED_OPT_IN = "--allow-unverified (config: checkpoint.allow_unverified: true)"
-_MAX_CONFIG_BYTES = 16 << 20
 _OWN_FILES = (METADATA_FILE, CONFIG_FILE)
 
 
@@ -213,11 +210,11 @@ def _content_problems(step_dir: Path, names: list[str]) -> list[str]:
                         f"{layout[0]} x {layout[1]} x {layout[2]}")
     problems += [f"{step_dir}: {problem} (according to {METADATA_FILE})" for problem in layout_problems(names, *layout)]
     try:
-        config = yaml.safe_load(read_regular_file(config_path, _MAX_CONFIG_BYTES).decode("utf-8"))
-        if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-            problems.append(f"{config_path}: not an lnstrain run config (no model section)")
-    except (OSError, ValueError, yaml.YAMLError) as error:  # UnicodeDecodeError is a ValueError
-        problems.append(f"{config_path}: cannot be read ({getattr(error, 'strerror', None) or error})")
+        saved_config_data(config_path)
+    except ValueError as error:
+        problems.append(str(error))
+    except OSError as error:
+        problems.append(f"{config_path}: cannot be read ({error.strerror or error})")
     return problems
 
 

@@ -13,12 +13,10 @@ import os
 import uuid
 from pathlib import Path
 
-import yaml
-
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.locations import link_problems, resolve_resume
 from lnstrain.checkpoint.manager import data_mismatch_problems
-from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, step_of
+from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, saved_config_data, step_of
 from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_checkpoint, nothing_verifies
 from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
@@ -84,8 +82,8 @@ def signing_key_problems(config: Config) -> list[str]:
 def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
     """The model shape must be the checkpoint's (DeepSpeed would fail later, after the queue wait)."""
     try:
-        saved = yaml.safe_load((step_dir / CONFIG_FILE).read_text(encoding="utf-8")).get("model", {})
-    except (OSError, yaml.YAMLError, AttributeError) as error:
+        saved = saved_config_data(step_dir / CONFIG_FILE)["model"]
+    except (OSError, ValueError) as error:
         return [f"checkpoint.resume: cannot read {step_dir / CONFIG_FILE}: {error}"]
     return [f"model.{key} is {value!r} but the checkpoint {step_dir} has {saved.get(key)!r}; resume with the "
             f"checkpoint's model, or start a new run (another run.name, or checkpoint.resume: none)"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
@@ -148,8 +150,15 @@ class Trainer:
         return str(path) if path is not None else None
 
     def _last_good_checkpoint(self) -> str | None:
+        """The checkpoint a resume would load now, verified (collective: every rank calls it)."""
         newest = newest_checkpoint(self.config.checkpoint_dir)
-        return str(newest) if newest is not None else None
+        if newest is None:
+            return None
+        try:
+            verified, _ = self.checkpoints.verified_checkpoint(newest, fall_back=True)
+        except CheckpointError:  # a file that would run code: not "good weights" to point at
+            return None
+        return str(verified) if verified is not None else None
 
     def _stop_not_finite(self, position: TrainingPosition, result: TrainingResult) -> TrainingResult:
         """A save found non-finite weights or optimizer state: every later step would build on them."""

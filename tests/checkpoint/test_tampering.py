@@ -267,7 +267,7 @@ def test_in_place_damage_to_a_token_file_is_caught_before_training(tmp_path):
 
     prefix = str(tmp_path / "tokens")
     with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for document in np.arange(1 << 20, dtype=np.uint16).reshape(512, -1) % 200:
+        for document in np.arange(1 << 18, dtype=np.uint16).reshape(256, -1) % 200:  # 512 KiB
             writer.add_document(document)
     config = DataConfig(sources=[DataSource(prefix)], seq_len=16)
     assert token_file_problems(config, 256, None) == []  # scanned, and cached
@@ -283,16 +283,16 @@ def test_in_place_damage_to_a_token_file_is_caught_before_training(tmp_path):
 
     class Samples:  # what reaches the model if the file changes after the launch check
         prefixes = [prefix]
+        tokens = IndexedDataset(prefix).token_array()
 
         def __len__(self):
-            return 1 << 14
+            return len(self.tokens) // 17
 
         def __getitem__(self, i):
-            return {"tokens": IndexedDataset(prefix).token_array()[i * 17:i * 17 + 17].astype(np.int64),
-                    "loss_mask": np.ones(16, np.float32)}
+            return {"tokens": self.tokens[i * 17:i * 17 + 17].astype(np.int64), "loss_mask": np.ones(16, np.float32)}
 
     with pytest.raises(TokenIdError, match=f"hold token id 60000, outside the model's vocabulary .*{bin_path}"):
-        list(iterate_micro_batches(Samples(), 0, 64, 8, 0, 1, vocab_size=256))
+        list(iterate_micro_batches(Samples(), 0, 64, 8, 0, 1, vocab_size=256))  # the damage is in sample 3855
 
 
 # --- fault 8: a config that is not UTF-8, a malformed --set, rehashed metadata -----------------------------
