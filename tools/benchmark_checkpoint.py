@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     init_deepspeed_comm("gloo")
     from lnstrain.benchmark.runners import synthetic_micro_batches
     from lnstrain.checkpoint.finite_state import nonfinite_state
-    from lnstrain.checkpoint.verifier import check_step_dir
+    from lnstrain.checkpoint.integrity import file_record
     from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
     from lnstrain.checkpoint.metadata import fsync_tree
+    from lnstrain.checkpoint.signing import read_signing_key
+    from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir
     from lnstrain.config.run_config import load_config
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine

@@ -8,8 +8,8 @@ Writes <dir>/tokens.bin/.idx (uint16 ids below 32000, documents of 1,000 tokens)
 --repeats times: the full scan with the page cache cold (posix_fadvise DONTNEED first: as on the first
 launch after the data was written elsewhere), the full scan warm, and a launch that finds the cache
 beside the .idx (stat of both files and their content fingerprint: the SHA-256 of the .idx and three
-64 KiB samples of the .bin). Prints medians and the scan's rate, from which a 10B-token corpus's
-time follows. The files are deleted at the end.
+64 KiB samples of the .bin). Prints medians of wall-clock and CPU time and the scan's rate, from
+which a 10B-token corpus's time follows. The files are deleted at the end.
 """
 from __future__ import annotations
 
@@ -51,6 +51,13 @@ def write_tokens(prefix: str, gib: float) -> int:
     return tokens
 
 
+def timed(action) -> tuple[float, float]:
+    """(wall-clock seconds, CPU seconds of this process) that ``action()`` took."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    action()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def drop_cached_pages(path: str) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -77,21 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             _fingerprint.cache_clear()
             if drop:
                 drop_cached_pages(prefix + ".bin")
-            started = time.perf_counter()
-            token_check.token_id_range(prefix)
-            timings.append(time.perf_counter() - started)
+            timings.append(timed(lambda: token_check.token_id_range(prefix)))
         _fingerprint.cache_clear()  # a new launch: a new process
-        started = time.perf_counter()
-        token_check.token_id_range(prefix)
-        cached.append(time.perf_counter() - started)
+        cached.append(timed(lambda: token_check.token_id_range(prefix)))
     gib = os.path.getsize(prefix + ".bin") / 2**30
     print(f"{tokens / 1e9:.2f}B tokens, {gib:.2f} GiB uint16; medians of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"  {'':<18}{'wall s':>9}{'CPU s':>9}   wall rate, and 10B tokens at that rate")
     for label, values in (("full scan, cold", cold), ("full scan, warm", warm), ("cache found", cached)):
-        seconds = statistics.median(values)
-        rate = f"  {tokens / seconds / 1e9:6.2f}B tokens/s  10B tokens: {10e9 / (tokens / seconds):7.1f} s" \
+        wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
+        rate = f"   {tokens / wall / 1e9:5.2f}B tokens/s, 10B: {10e9 * wall / tokens:6.1f} s" \
             if label.startswith("full") else ""
-        print(f"  {label:<18}{seconds:8.3f} s{rate}")
+        print(f"  {label:<18}{wall:9.3f}{cpu:9.3f}{rate}")
     for suffix in (".bin", ".idx", ".idx.lnstrain-range.json"):
         os.unlink(prefix + suffix)
     return 0
