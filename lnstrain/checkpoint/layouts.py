@@ -73,7 +73,14 @@ class FullState:
     """The training position the save gave DeepSpeed (``manager.CLIENT_STATE_KEY``), when recorded."""
 
 
-# --- the step directory's config -------------------------------------------------------------------
+# --- the step directory and its config -------------------------------------------------------------
+def resolve_step_dir(path: str | os.PathLike, trust: Trust | None = None) -> Path:
+    """A ``global_step<N>`` directory, a checkpoint directory or a run directory -> the step directory
+    to read, verified (``verifier.open_checkpoint``: the one a resume would choose, under ``trust``; no
+    opt-ins when None). Raises ``CheckpointError`` (a ``ValueError``) saying why none may be read."""
+    return open_checkpoint(path, trust or Trust())
+
+
 def read_step_config(step_dir: str | os.PathLike) -> Config:
     """The resolved run config saved in the step directory (a verified one: ``verifier``). It is the
     config as resolved, so a ``base:`` in it, which would read another file, is refused."""
@@ -230,7 +237,7 @@ def load_consolidated_state_dict(path: str | os.PathLike, trust: Trust = Trust()
     """(resolved run config, single-process fp32 state dict) of the checkpoint at ``path`` (run,
     checkpoint or step directory; the one ``verifier.open_checkpoint`` chooses), any layout. Raises
     ``CheckpointError`` when no checkpoint there verifies under ``trust``."""
-    step_dir = open_checkpoint(path, trust)
+    step_dir = resolve_step_dir(path, trust)
     config = read_step_config(step_dir)
     return config, read_full_state(step_dir, config, with_optimizer=False, allow_pickle=trust.allow_pickle).weights
 
