@@ -29,6 +29,8 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+Job = tuple[str, str, int, "list[bytes] | ArrowRecords"]  # (path, format, number of its first record, records)
+
 
 @dataclass
 class PreprocessConfig:
@@ -78,7 +80,7 @@ class BatchEncoder:
         self.keys, self.eos, self.bos = keys, append_eos, prepend_bos
         self.dtype = token_dtype_for_vocab(self.tok.vocab_size)
 
-    def __call__(self, job: "Job"):
+    def __call__(self, job: Job):
         cpu0 = time.process_time()
         path, fmt, first_record, records = job
         skips = SkipCounts()
@@ -120,9 +122,6 @@ def _encode_in_worker(job):
 
 
 # --- main side -------------------------------------------------------------------------------------
-Job = tuple[str, str, int, "list[bytes] | ArrowRecords"]  # (path, format, number of its first record, records)
-
-
 def _jobs(cfg: PreprocessConfig, stats: PreprocessStats) -> Iterator[Job]:
     for path in cfg.inputs:
         fmt = file_format(path)
@@ -146,8 +145,7 @@ def _jobs(cfg: PreprocessConfig, stats: PreprocessStats) -> Iterator[Job]:
         stats.files += 1
 
 
-def _arrow_jobs(cfg: PreprocessConfig, stats: PreprocessStats, path: str,
-                fmt: str) -> Iterator[Job]:
+def _arrow_jobs(cfg: PreprocessConfig, stats: PreprocessStats, path: str, fmt: str) -> Iterator[Job]:
     rows = 0
     for first_row, batch, text_bytes in iter_text_batches(path, cfg.json_keys, cfg.batch_docs, cfg.batch_bytes):
         stats.bytes_read += text_bytes

@@ -39,8 +39,11 @@ def corpus(demo_docs, tmp_path_factory) -> dict:
     pq.write_table(table.slice(0, 250), root / "part-0.parquet", row_group_size=64, compression="zstd")
     pq.write_table(table.slice(250), root / "part-1.parquet", row_group_size=40, compression="snappy")
     datasets.disable_progress_bars()
-    datasets.Dataset.from_dict({"id": ids, "title": titles, "text": texts}).save_to_disk(
-        str(root / "saved"), num_shards=3)
+    saved = datasets.Dataset.from_dict({"id": ids, "title": titles, "text": texts})
+    saved = saved.shuffle(seed=3)
+    saved = saved.select(sorted(range(len(ids)), key=saved["id"].__getitem__))  # back in order, through an indices
+    # mapping, which save_to_disk applies as it writes
+    saved.save_to_disk(str(root / "saved"), num_shards=3)
     return {"jsonl": str(root / "corpus.jsonl"), "parquet": str(root / "part-*.parquet"),
             "saved": str(root / "saved"), "root": root, "texts": texts, "null_titles": titles.count(None)}
 
