@@ -174,7 +174,7 @@ def test_cli_tools_end_to_end(tmp_path, demo_corpus):
     bad = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "nope*.jsonl"),
                           "--tokenizer", str(tmp_path / "tok/spm.model"), "--output-prefix", str(tmp_path / "x")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "matches no file" in bad.stderr
+    assert bad.returncode == 2 and "matches no file" in bad.stderr  # bad input: exit 2
 
 
 def test_large_vocabulary_writes_int32(tmp_path, demo_corpus, demo_prefix, tokenizer_model, megatron_reader,
