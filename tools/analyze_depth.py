@@ -40,7 +40,7 @@ from lnstrain.analysis.depth_analysis import (  # noqa: E402
     DEFAULT_NEAR_IDENTITY_THRESHOLD, DepthAnalysis, analyze_model, summarize,
 )
 from lnstrain.analysis.inputs import (  # noqa: E402
-    HF_DEFAULT_SEQ_LEN, DataOptions, LoadOptions, PlannedRun, checkpoint_entry, plan_runs, resolve_entry,
+    HF_DEFAULT_SEQ_LEN, DataOptions, LoadOptions, PlannedRun, checkpoint_entry, hf_entry, plan_runs, resolve_entry,
     state_dict_entry,
 )
 from lnstrain.analysis.report import write_report  # noqa: E402
@@ -150,7 +150,7 @@ def plan(args: argparse.Namespace) -> tuple[list[PlannedRun], list[str]]:
         entries = [partial(resolve_entry, path, data, loading) for path in args.compare]
         given, names = args.compare, args.names or [None] * len(args.compare)
     elif args.hf:
-        entries, given, names = [partial(resolve_entry, args.hf, data, loading)], [args.hf], [args.name]
+        entries, given, names = [partial(hf_entry, args.hf, loading)], [args.hf], [args.name]
     elif args.checkpoint:
         entries, given, names = [partial(checkpoint_entry, args.checkpoint, data, loading)], [args.checkpoint], [args.name]
     else:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lnstrain.analysis.claims import group_problems
 from lnstrain.analysis.depth_analysis import DepthAnalysis
@@ -28,6 +29,9 @@ from lnstrain.analysis.text_tokens import (DocumentTokenizer, SentencePieceDocum
 from lnstrain.analysis.windows import WindowRecord, window_differences
 from lnstrain.data.corpus_readers import expand_inputs
 from lnstrain.run_files import CHECKPOINTS_DIR, LATEST_FILE
+
+if TYPE_CHECKING:
+    from lnstrain.config.run_config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +140,7 @@ def _hf_model(path: Path, load_options: LoadOptions) -> _Model:
                                              offload_folder=load_options.offload_folder))
 
 
-def _lnstrain_model(given: str, config, name: str | None, data: DataOptions, load_options: LoadOptions, *,
+def _lnstrain_model(given: str, config: Config, name: str | None, data: DataOptions, load_options: LoadOptions, *,
                     checkpoint: str | None = None, state_dict: str | None = None,
                     config_path: str | None = None) -> _Model:
     """An lnstrain run, from its config (a checkpoint's saved one, or --config for a state dict)."""
@@ -163,7 +167,11 @@ def resolve_entry(given: str, data: DataOptions, load_options: LoadOptions) -> D
     if not path.exists():
         raise FileNotFoundError(f"{given} does not exist")
     if path.suffix == ".json" or (path / "depth_analysis.json").is_file():
-        runs = read_analyses(path)
+        try:
+            runs = read_analyses(path)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{given}: not a depth analysis written by tools/analyze_depth.py ({e!r} missing or "
+                             "malformed)") from e
         if len(runs) != 1:
             raise ValueError(f"{given}: holds {len(runs)} runs; compare single-run analyses")
         return runs[0]
@@ -179,6 +187,15 @@ def resolve_entry(given: str, data: DataOptions, load_options: LoadOptions) -> D
 
     config = read_step_config(resolve_step_dir(path))
     return _lnstrain_model(given, config, config.run.name, data, load_options, checkpoint=given)
+
+
+def hf_entry(given: str, load_options: LoadOptions) -> _Model:
+    """A --hf directory (ValueError unless it is a Hugging Face model directory)."""
+    from lnstrain.analysis.hf_source import read_hf_config
+
+    if "model_type" not in read_hf_config(given):
+        raise ValueError(f"{given}: config.json has no model_type, so it is not a Hugging Face model directory")
+    return _hf_model(Path(given), load_options)
 
 
 def state_dict_entry(state_dict: str, config_path: str, data: DataOptions, load_options: LoadOptions) -> _Model:

@@ -36,6 +36,7 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     plt = pyplot()
     if plt is None:
         return []
+    from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
     def integer_layers(*axes) -> None:
@@ -52,24 +53,26 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     ax.legend()
     names.append(_save(plt, fig, out_dir, "variance.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     width = 0.8 / len(runs)
+    threshold = runs[0].summary.near_identity_threshold
+    handles = [Patch(facecolor="grey", alpha=0.15, label=f"near-identity (|ΔP| < {threshold:g})")]
     for index, run in enumerate(runs):
         layers = [p.layer + (index - (len(runs) - 1) / 2) * width for p in run.pruning]
-        bars = ax.bar(layers, [p.delta_loss for p in run.pruning], width=width, label=run.name)
+        bars = ax.bar(layers, [p.delta_loss for p in run.pruning], width=width)
+        handles.append(Patch(facecolor=bars.patches[0].get_facecolor(), label=run.name))
         for bar, p in zip(bars, run.pruning):
-            if p.delta_loss < 0:  # removing the layer lowers the loss
+            if p.delta_loss < 0:
                 bar.set_hatch("///")
                 bar.set_edgecolor("black")
-    threshold = runs[0].summary.near_identity_threshold
-    ax.axhspan(-threshold, threshold, color="grey", alpha=0.15, label=f"near-identity (|ΔP| < {threshold:g})")
+    if any(p.delta_loss < 0 for run in runs for p in run.pruning):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="removal lowers the loss"))
+    ax.axhspan(-threshold, threshold, color="grey", alpha=0.15)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_yscale("symlog", linthresh=threshold)  # layer 1 would dwarf the rest
-    ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)",
-           title="Layer pruning: ΔP(l) (hatched: removal lowers the loss)" if any(
-               p.delta_loss < 0 for run in runs for p in run.pruning) else "Layer pruning: ΔP(l)")
+    ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
     integer_layers(ax.xaxis)
-    ax.legend()
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # clear of the bars
     names.append(_save(plt, fig, out_dir, "pruning.png"))
 
     import numpy as np

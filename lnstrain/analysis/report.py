@@ -166,7 +166,7 @@ def _claims_section(runs: Sequence[DepthAnalysis], claims: Sequence[ClaimResult]
     others = unclaimed(runs)
     if others:
         lines += ["Not in any claim: " + ", ".join(f"{r.name} ({r.norm_scheme})" for r in others)
-                  + ". The paper's claims are about Pre-LN and LayerNorm Scaling; this placement's figures are "
+                  + ". The paper's claims are about Pre-LN and LayerNorm Scaling; their figures are "
                   "in the summary and per-layer tables.", ""]
     return lines
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,8 +43,14 @@ ORDER = {"pre_ln": ["attention_input", "attention", "mlp_input", "mlp"],
          "post_ln": ["attention", "attention_residual", "mlp", "mlp_residual"]}
 
 
-def test_every_family_of_the_table_is_tested():
+def test_every_family_of_the_table_is_tested_and_documented():
     assert FAMILIES == list(TABLE)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "analyze_open_models.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip(" `"): line for line in page.splitlines() if line.startswith("| `")}
+    for model_type, family in TABLE.items():
+        assert f"| `{family.blocks}` |" in rows[model_type], model_type
+        assert rows[model_type].endswith(f"| {family.placement.value} (`{family.placement.norm_scheme}`) |"), model_type
+        assert ("| 1 + weight |" in rows[model_type]) == (family.gain_offset == 1.0), model_type
 
 
 @pytest.fixture(scope="module")
