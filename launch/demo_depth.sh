@@ -42,6 +42,7 @@ if [[ "$WORK" != demo_workdir ]]; then  # configs/demo_depth.yaml names demo_wor
 fi
 ANALYSES=()
 NAMES=()
+CONFIGURATIONS=()  # a scheme's seeds are seeds of one configuration in the claim verdicts
 for scheme in pre_ln lns; do
     for seed in "${SEEDS[@]}"; do
         run=demo_depth_$scheme
@@ -59,9 +60,11 @@ for scheme in pre_ln lns; do
             { cat "$OUT/depth_$name.log"; exit 1; }
         ANALYSES+=("$OUT/depth_$name")
         NAMES+=("$name")
+        CONFIGURATIONS+=("$scheme")
     done
 done
 
 echo "== comparing the runs layer by layer, and checking the paper's claims on them"
-"$PYTHON" tools/analyze_depth.py --compare "${ANALYSES[@]}" --names "${NAMES[@]}" --output "$OUT/depth_compare"
+"$PYTHON" tools/analyze_depth.py --compare "${ANALYSES[@]}" --names "${NAMES[@]}" --groups "${CONFIGURATIONS[@]}" \
+    --output "$OUT/depth_compare"
 echo "== done: $OUT/depth_compare/report.md (TensorBoard: tensorboard --logdir $OUT/runs)"

@@ -11,7 +11,8 @@ Files under ``<output_dir>/_study/depth/``:
     report.md                     per size and variant: verdicts against training tokens, where they turn,
                                   and the deep half's mean ΔP against tokens; plots beside it (matplotlib)
 
-Runs of one scheme with different seeds are seeds of one comparison (``claims.evaluate_claims``).
+Runs of one scheme with different seeds are seeds of one configuration (``claims.evaluate_claims``
+with each run's scheme as its group).
 A checkpoint that is missing (the run is shorter, or not there yet) is skipped and listed.
 """
 
@@ -68,13 +69,13 @@ def analysis_steps(depth: DepthCollection, total_steps: int) -> list[int]:
 
 def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> DepthAnalysis:
     """Depth analysis of one checkpoint on the study's validation data."""
-    from lnstrain.analysis.eval_data import validation_batches
+    from lnstrain.analysis.eval_data import token_file_windows
     from lnstrain.analysis.model_loading import load_for_analysis
 
     config, model = load_for_analysis(checkpoint=str(step_dir))
-    batches = validation_batches(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
+    windows = token_file_windows(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
                                  config.model.vocab_size)
-    return analyze_model(model, batches, name=name)
+    return analyze_model(model, windows.batches, name=name, windows=windows.record)
 
 
 def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
@@ -120,9 +121,10 @@ def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Compar
     root = study.output_dir / "_study" / "depth" / "compare"
     for (size, variant, step), members in groups.items():
         runs = [m.analysis for m in members]
-        claims = evaluate_claims(runs, reference=study.spec.depth.reference)
+        by_scheme = [run.norm_scheme for run in runs]  # a scheme's runs are seeds of one configuration
+        claims = evaluate_claims(runs, reference=study.spec.depth.reference, groups=by_scheme)
         comparison = Comparison(size, variant, step, members[0].tokens, members, claims)
-        write_report(runs, root / comparison.label / f"step{step}", plots=False, claims=claims)
+        write_report(runs, root / comparison.label / f"step{step}", plots=False, claims=claims, groups=by_scheme)
         comparisons.append(comparison)
     order = {(s, v): i for i, (s, v) in enumerate(dict.fromkeys((a.run.run.size, a.run.run.variant) for a in analyses))}
     return sorted(comparisons, key=lambda c: (order[(c.size, c.variant)], c.step))
