@@ -16,8 +16,16 @@ EXTRAS = {
     # Hugging Face export/import (safetensors shards), the transformers baseline benchmark, and
     # tools/analyze_depth.py --hf (accelerate: transformers' device_map for models larger than one device).
     "hf": ["safetensors>=0.4", "transformers>=4.40", "accelerate>=0.26"],
-    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM.
-    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40"],
+    # tools/evaluate.py and train.eval_tasks: EleutherAI's lm-evaluation-harness with its Hugging Face
+    # model wrapper (accelerate, peft). Tested on lm_eval 0.4.13; TaskManager(include_defaults=...) needs 0.4.5.
+    "eval": ["lm_eval[hf]>=0.4.5,<0.5"],
+    # logging.wandb: Weights & Biases tracking. Tested on wandb 0.31.
+    "wandb": ["wandb>=0.17,<1"],
+    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM; wandb (23 MB
+    # of wheels beyond these) lets them read back what an offline W&B run logged. lm_eval[hf] is left out:
+    # 136 MB more (datasets, pyarrow, pandas, scipy, scikit-learn); tests/evaluation skip its tests without it.
+    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40",
+             "wandb>=0.17,<1"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

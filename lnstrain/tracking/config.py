@@ -19,7 +19,9 @@ class WandbConfig:
     Attributes:
         mode: ``disabled`` (the default: wandb is not even imported), ``online`` (streamed to the
             W&B server: ``wandb login`` or ``WANDB_API_KEY`` first) or ``offline`` (written under
-            ``<run dir>/wandb/``, uploaded later with ``wandb sync``; needs no network).
+            ``<run dir>/wandb/``, or under ``WANDB_DIR`` when set, uploaded later with ``wandb sync``;
+            needs no network). When tracking is on, the environment's ``WANDB_MODE`` (W&B's own
+            switch, e.g. ``offline`` on compute nodes without a network) overrides online/offline.
         project: the W&B project.
         entity: the W&B user or team; unset: your default entity.
         name: the W&B run's display name; unset: ``run.name``.

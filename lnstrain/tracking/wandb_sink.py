@@ -110,8 +110,9 @@ class WandbSink(MetricSink):
         self.record = record or {"id": new_run_id(), "logged_through_step": -1, "next_row": 0}
         self.lowest_step = self.record["logged_through_step"] + 1 if skip_logged_steps else None
         directory = None if os.environ.get("WANDB_DIR") else str(self.run_dir)
+        mode = os.environ.get("WANDB_MODE") or settings.mode  # W&B's own switch wins, as it does for W&B
         self.run = wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_name,
-                              id=self.record["id"], resume="allow", mode=settings.mode, dir=directory,
+                              id=self.record["id"], resume="allow", mode=mode, dir=directory,
                               tags=list(settings.tags) or None)
         if config is not None:
             self.run.config.update(dict(config), allow_val_change=True)
@@ -119,7 +120,7 @@ class WandbSink(MetricSink):
         self.run.define_metric(TOKENS_FIELD, step_metric=STEP_FIELD)
         self.run.define_metric("*", step_metric=STEP_FIELD)
         _write_record(self.run_dir, self.record)
-        logger.info("W&B run %s (%s, project %s)%s", self.record["id"], settings.mode, settings.project,
+        logger.info("W&B run %s (%s, project %s)%s", self.record["id"], mode, settings.project,
                     " continued" if record else "")
         self._skipped: list[int] = []
 

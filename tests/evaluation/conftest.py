@@ -29,7 +29,8 @@ HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None and importlib.uti
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 NO_LM_EVAL = "lm-evaluation-harness is not installed (pip install 'lnstrain[eval]')"
 NO_WANDB = "wandb is not installed (pip install 'lnstrain[wandb]')"
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_SILENT": "true"}
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
 
 
 @dataclass
@@ -61,8 +62,8 @@ def tracked_overrides(corpus, output_dir: Path, steps: int, eval_tasks: bool) ->
 
 @pytest.fixture(scope="session")
 def offline_in_repo(tmp_path_factory):
-    """Offline Hugging Face libraries with their caches in a temporary directory, run from the repository
-    root (the local task's data_files are relative to it)."""
+    """Offline Hugging Face libraries and W&B, their caches and files in temporary directories (W&B's in
+    the run directory), run from the repository root (the local task's data_files are relative to it)."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in OFFLINE.items():
             patch.setenv(name, value)
