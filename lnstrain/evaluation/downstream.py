@@ -140,16 +140,19 @@ def evaluate_downstream(model: EvaluatedModel, tasks: DownstreamTasks, log_sampl
 
 def log_to_run(results: dict[str, Any], model: EvaluatedModel, wandb: bool = True) -> list[str]:
     """Log the downstream scalars to the checkpoint's run at the checkpoint's step: its TensorBoard and
-    (``wandb``) its W&B run, as its config has them. Returns where they went (empty: nowhere)."""
+    (``wandb``) its W&B run, as its config has them; a W&B run that cannot start (wandb missing here,
+    no network) is an error in the log, the results file is already written. Returns where they went."""
     config = model.run_config
     if model.run_dir is None or config is None or model.step is None:
         return []
     logging_config = config.logging
     wandb_config = logging_config.wandb if wandb else dataclasses.replace(logging_config.wandb, mode="disabled")
     sinks = open_run_sinks(model.run_dir, tensorboard=logging_config.tensorboard, wandb=wandb_config,
-                           run_name=config.run.name, continue_run=True, skip_logged_steps=False)
+                           run_name=config.run.name, continue_run=True, skip_logged_steps=False,
+                           wandb_failure_stops=False)
     try:
         sinks.log_scalars(logged_scalars(results["metrics"]), model.step, model.tokens)
     finally:
+        names = [sink.name for sink in sinks.sinks]
         sinks.close()
-    return [name for name, on in (("TensorBoard", logging_config.tensorboard), ("W&B", wandb_config.enabled)) if on]
+    return names

@@ -28,6 +28,9 @@ BY_TOKENS_PREFIX = "by_tokens"
 class MetricSink(ABC):
     """Somewhere scalars go. ``step`` is lnstrain's optimizer step (a checkpoint's, for evaluations)."""
 
+    name: str = "sink"
+    """What the console calls it."""
+
     @abstractmethod
     def log_scalars(self, scalars: Mapping[str, float], step: int, tokens: int | None = None) -> None:
         """Record ``scalars`` (tag -> finite value) at ``step``; ``tokens`` when the step has a token count."""
@@ -42,6 +45,8 @@ class MetricSink(ABC):
 class TensorBoardSink(MetricSink):
     """Event files in ``log_dir``. A profile is a histogram whose bucket l holds layer l's value, so
     TensorBoard's Histograms tab draws value against depth, one curve per step."""
+
+    name = "TensorBoard"
 
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter

@@ -91,11 +91,14 @@ class WandbSink(MetricSink):
     Args:
         continue_run: continue the run directory's W&B run when it has one (a resumed trainer, a
             tool); False starts a new one (a trainer starting at step 0).
-        skip_logged_steps: never log a step below one already logged: the steps up to the record's
-            ``logged_through_step`` (a resumed trainer's replay), and, after a rollback, those this
-            process logged before it (several rows at one step are fine); False logs every call.
+        skip_logged_steps: never log a step twice: not the steps up to the record's
+            ``logged_through_step`` (a resumed trainer's replay), nor, after a rollback, a step below
+            the highest this process logged, nor a tag again at that highest step (other tags at it
+            are fine: training scalars, then the evaluation); False logs every call.
         config: the resolved run config, stored as the W&B run's config.
     """
+
+    name = "W&B"
 
     def __init__(self, settings: WandbConfig, run_dir: Path, run_name: str, config: Mapping[str, Any] | None,
                  continue_run: bool, skip_logged_steps: bool = True) -> None:
@@ -123,14 +126,19 @@ class WandbSink(MetricSink):
         logger.info("W&B run %s (%s, project %s)%s", self.record["id"], mode, settings.project,
                     " continued" if record else "")
         self._skipped: list[int] = []
+        self._tags_at_lowest: set[str] = set()
+        """The tags already logged at ``lowest_step`` by this process: the same tag again is a replay."""
 
     def _send(self, row: dict[str, Any], step: int) -> None:
         if self.lowest_step is not None:
-            if step < self.lowest_step:
+            tags = set(row) - {TOKENS_FIELD}
+            if step < self.lowest_step or (step == self.lowest_step and not self._tags_at_lowest.isdisjoint(tags)):
                 if not self._skipped or self._skipped[-1] != step:
                     self._skipped.append(step)
                 return
-            self.lowest_step = step
+            if step > self.lowest_step:
+                self.lowest_step, self._tags_at_lowest = step, set()
+            self._tags_at_lowest.update(tags)
         number = self.record["next_row"]
         self.record["next_row"] = number + 1
         self.record["logged_through_step"] = max(self.record["logged_through_step"], step)

@@ -265,12 +265,12 @@ class Trainer:
                     position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
                     config.tokens_per_step)
         try:
-            self._open_sinks(position)
             if stop_at_step is not None and stop_at_step <= position.step < self.total_steps:
                 result.stop_reason = f"already at step {position.step}, stop_at_step {stop_at_step}"
                 result.exit_code = EXIT_STOPPED
                 logger.warning("not training: %s", result.stop_reason)
                 return result
+            self._open_sinks(position)
             while position.step < self.total_steps:
                 if self.recovery.must_skip(position):
                     self.recovery.skip_step(position)

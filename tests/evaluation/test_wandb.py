@@ -65,3 +65,27 @@ def test_wandb_gets_every_scalar_tensorboard_gets_and_the_config(tracked_run):
     assert wandb.config["model"]["hidden_dropout"] == 0.1 and wandb.config["train"]["steps"] == 4
     if HAVE_LM_EVAL:  # train.eval_tasks: launch 1's checkpoints of steps 2 and 3
         assert sorted(dict(wandb.values(f"downstream/{TASK}/acc_norm"))) == [2, 3]
+
+
+def test_replayed_steps_are_skipped_and_a_fresh_start_is_a_new_wandb_run(tmp_path, offline_in_repo):
+    from lnstrain.tracking.config import WandbConfig
+    from lnstrain.tracking.wandb_sink import WandbSink
+
+    settings = WandbConfig(mode="offline")
+    sink = WandbSink(settings, tmp_path, "run", {"train": {"steps": 4}}, continue_run=False)
+    for step in (1, 2, 3, 2, 3, 4):  # a rollback to step 1's checkpoint replays steps 2 and 3
+        sink.log_scalars({"train/loss": 10.0 - step}, step, tokens=100 * step)
+    sink.log_scalars({"eval/loss": 5.0}, 4, tokens=400)  # several rows at one step are fine
+    sink.close()
+    first = json.loads((tmp_path / WANDB_RUN_FILE).read_text())
+    tool = WandbSink(settings, tmp_path, "run", None, continue_run=True, skip_logged_steps=False)
+    tool.log_scalars({"downstream/task/acc": 0.5}, 2)  # an older checkpoint's evaluation, recorded at its step
+    tool.close()
+    wandb = read_offline_runs(tmp_path / WANDB_DIR, rows=6)
+    assert wandb.ids == {first["id"]}
+    assert wandb.values("train/loss") == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0)]
+    assert wandb.values("eval/loss") == [(4, 5.0)] and wandb.values("downstream/task/acc") == [(2, 0.5)]
+    assert [row["_step"] for row in wandb.rows] == list(range(6))
+    fresh = WandbSink(settings, tmp_path, "run", None, continue_run=False)  # training from step 0 again
+    fresh.close()
+    assert json.loads((tmp_path / WANDB_RUN_FILE).read_text())["id"] != first["id"]
