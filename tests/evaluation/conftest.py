@@ -82,3 +82,15 @@ def tracked_run(tiny_corpus, tmp_path_factory, offline_in_repo) -> TrackedRun:  
     (checkpoints / "latest").write_text("global_step2")
     _, second = run_distributed(train, 1, tracked_overrides(tiny_corpus, output_dir, steps=4, eval_tasks=False))[0]
     return TrackedRun(Path(run_dir), first, second)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread while a test scores the tiny model: its many small operations gain nothing
+    from a second thread, and on a busy machine two threads waiting for each other cost 20 times more."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

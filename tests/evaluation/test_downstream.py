@@ -58,7 +58,7 @@ def lm_eval_scores(results: dict) -> list[list[float]]:
     return [[float(response[0][0]) for response in sample["resps"]] for sample in samples]
 
 
-def test_accuracy_on_a_checkpoint_and_its_export_matches_transformers(tracked_run, tmp_path):
+def test_accuracy_on_a_checkpoint_and_its_export_matches_transformers(tracked_run, tmp_path, one_thread):
     from lnstrain.evaluation.downstream import DownstreamTasks, evaluate_downstream
     from lnstrain.evaluation.hf_model import load_checkpoint_model, load_hf_directory_model
 
@@ -80,7 +80,7 @@ def test_accuracy_on_a_checkpoint_and_its_export_matches_transformers(tracked_ru
     assert during_training["model"]["step"] == 2 and during_training["model"]["tokens"] == 2 * 8 * 16
 
 
-def test_evaluate_tool_writes_json_tensorboard_and_the_runs_wandb_run(tracked_run, tmp_path):
+def test_evaluate_tool_writes_json_tensorboard_and_the_runs_wandb_run(tracked_run, tmp_path, one_thread):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
