@@ -151,7 +151,8 @@ def _readable_weight(module: nn.Module) -> torch.Tensor | None:
     return None if weights_map is None else weights_map["weight"]
 
 
-def _dtype_argument(transformers) -> str:
+def dtype_keyword(transformers) -> str:
+    """The keyword from_pretrained takes the dtype as: `dtype` from transformers 4.56, `torch_dtype` before."""
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
@@ -172,7 +173,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
     tokenizer = load_hf_tokenizer(directory.path)
     transformers = import_transformers()
-    kwargs: dict[str, Any] = {_dtype_argument(transformers): DTYPES[dtype], "local_files_only": True,
+    kwargs: dict[str, Any] = {dtype_keyword(transformers): DTYPES[dtype], "local_files_only": True,
                               "trust_remote_code": False}
     if device_map is not None:
         if importlib.util.find_spec("accelerate") is None:

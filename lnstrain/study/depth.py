@@ -9,7 +9,9 @@ Files under ``<output_dir>/_study/depth/``:
     claims.csv                    one row per (size, variant, step, claim, scheme): values and verdict
     layers.csv                    one row per (run, step, layer): ΔP, variance, d(l, l+1), norm gains
     report.md                     per size and variant: verdicts against training tokens, where they turn,
-                                  and the deep half's mean ΔP against tokens; plots beside it (matplotlib)
+                                  the deep half's mean ΔP, the validation loss and each downstream task
+                                  (where ``<run dir>/downstream/step<N>.json`` exists) against tokens;
+                                  plots beside it (matplotlib)
 
 Runs of one scheme with different seeds are seeds of one configuration (``claims.evaluate_claims``
 with each run's scheme as its group).
@@ -29,6 +31,7 @@ from pathlib import Path
 from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, deep_layers, evaluate_claims
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.evaluation.results import run_headlines
 from lnstrain.study.depth_archive import DepthArchive, open_archive, trained_as
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.spec import DepthCollection, Study
@@ -219,6 +222,7 @@ def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
         lines.append("")
         for title, statistic in SERIES_STATISTICS:
             lines += series_table(series, title, statistic)
+        lines += downstream_tables(series)
     return lines
 
 
@@ -230,16 +234,34 @@ def deep_half_mean_gain(analysis: DepthAnalysis) -> float | None:
                             for gain in analysis.norm_gains[layer - 1])
 
 
-SERIES_STATISTICS: list[tuple[str, Callable[[DepthAnalysis], float | None]]] = [
-    ("Mean ΔP of the deepest half (nats", deep_half_mean_delta_loss),
+SERIES_STATISTICS: list[tuple[str, Callable[[CheckpointAnalysis], float | None]]] = [
+    ("Mean ΔP of the deepest half (nats", lambda member: deep_half_mean_delta_loss(member.analysis)),
     ("Mean effective pre-sublayer norm gain of the deepest half (learned gain times the scheme's factor",
-     deep_half_mean_gain),
-    ("Validation loss of the measured windows (nats", lambda analysis: analysis.baseline.loss),
+     lambda member: deep_half_mean_gain(member.analysis)),
+    ("Validation loss of the measured windows (nats", lambda member: member.analysis.baseline.loss),
 ]
 
 
+def downstream_tables(series: Sequence[Comparison]) -> list[str]:
+    """One table per lm-evaluation-harness task any analysed checkpoint of ``series`` was evaluated on
+    (its headline metric, ``evaluation.results.headline``); – where a checkpoint was not evaluated."""
+    found: dict[tuple[str, int], dict[str, tuple[str, float]]] = {}
+    for c in series:
+        for m in c.members:
+            found[(m.run.run.name, c.step)] = run_headlines(m.run.config.run.dir, c.step)
+    tasks = list(dict.fromkeys((task, metric) for scores in found.values() for task, (metric, _) in scores.items()))
+    lines = []
+    for task, metric in tasks:
+        def score(member: CheckpointAnalysis, task: str = task, metric: str = metric) -> float | None:
+            pair = found[(member.run.run.name, member.step)].get(task)
+            return pair[1] if pair is not None and pair[0] == metric else None
+
+        lines += series_table(series, f"Downstream: {task} {metric} (lm-evaluation-harness on the checkpoint", score)
+    return lines
+
+
 def series_table(series: Sequence[Comparison], title: str,
-                 statistic: Callable[[DepthAnalysis], float | None]) -> list[str]:
+                 statistic: Callable[[CheckpointAnalysis], float | None]) -> list[str]:
     """One statistic per scheme (seed mean, each seed in brackets when several) against tokens."""
     schemes = list(dict.fromkeys(m.run.run.scheme for c in series for m in c.members))
     lines = [f"{title}; seeds averaged, each seed in brackets when several):", "",
@@ -247,7 +269,7 @@ def series_table(series: Sequence[Comparison], title: str,
     for scheme in schemes:
         cells = []
         for c in series:
-            values = [statistic(m.analysis) for m in c.members if m.run.run.scheme == scheme]
+            values = [statistic(m) for m in c.members if m.run.run.scheme == scheme]
             values = [v for v in values if v is not None]
             if not values:
                 cells.append("–")

@@ -19,6 +19,7 @@ from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
 from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata
 from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
+from lnstrain.tracking.wandb_sink import wandb_problems
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,32 @@ def file_problems(config: Config) -> list[str]:
     return problems
 
 
+def downstream_problems(config: Config, rank: int) -> list[str]:
+    """``train.eval_tasks`` can be evaluated: checkpoints at those steps and at the end, a model with a
+    Hugging Face LLaMA form, and (global rank 0, which evaluates; indexing lm-eval's tasks takes seconds)
+    lm-eval installed and every task name known to it."""
+    train = config.train
+    if not train.eval_tasks:
+        return []
+    problems = []
+    every = config.checkpoint.interval_steps
+    if train.eval_tasks_interval and (not every or train.eval_tasks_interval % every):
+        problems.append(f"train.eval_tasks_interval ({train.eval_tasks_interval}) must be a multiple of "
+                        f"checkpoint.interval_steps ({every}): the tasks are evaluated on the checkpoints of those steps")
+    if not config.checkpoint.save_at_end:
+        problems.append("train.eval_tasks are evaluated on the final checkpoint: set checkpoint.save_at_end: true")
+    from lnstrain.checkpoint.hf_exportable import export_problems
+
+    problems += [f"train.eval_tasks go through the Hugging Face export, which refuses this model: {problem}"
+                 for problem in export_problems(config.model)]
+    if rank == 0 and not problems:
+        from lnstrain.evaluation.downstream import DownstreamTasks, task_problems
+
+        problems += task_problems(DownstreamTasks(list(train.eval_tasks), list(train.eval_tasks_include_path)),
+                                  key="train.eval_tasks")
+    return problems
+
+
 def in_use_problems(config: Config) -> list[str]:
     """A trainer running on this run's directories now (the trainer's own lock decides; this says it
     before any rank waits at the rendezvous)."""
@@ -194,6 +221,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     problems += device_problems(config, local_rank)
     problems += tokenizer_problems(config)
     problems += file_problems(config)
+    problems += wandb_problems(config.logging.wandb)
+    problems += downstream_problems(config, rank)
     unreadable = Typed(None, unreadable_keys=list(unreadable_keys))
     places_output = ("run.output_dir", "run.name", "checkpoint.dir")
     if not any(unreadable.about_unreadable_keys(key) for key in places_output):

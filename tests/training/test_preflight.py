@@ -243,3 +243,25 @@ def test_a_fallback_to_a_checkpoint_of_another_model_is_refused_before_loading(t
     assert (f"{newer} failed verification, and the newest older checkpoint that verifies was saved with another "
             f"model:\n  - model.hidden_size is {model['hidden_size']} but the checkpoint {older} has "
             f"{2 * model['hidden_size']}") in str(refused.value)
+
+
+def test_downstream_tasks_and_wandb_that_cannot_run_are_problems(monkeypatch, tmp_path):
+    import importlib.util
+
+    config = config_from_dict({**TINY, "run": {"output_dir": str(tmp_path)},
+                               "checkpoint": {"interval_steps": 4, "save_at_end": False},
+                               "train": {**TINY.get("train", {}), "eval_tasks": ["hellaswag"], "eval_tasks_interval": 6},
+                               "logging": {"wandb": {"mode": "offline"}}})
+    assert preflight.downstream_problems(config, rank=1) == [
+        "train.eval_tasks_interval (6) must be a multiple of checkpoint.interval_steps (4): the tasks are evaluated "
+        "on the checkpoints of those steps",
+        "train.eval_tasks are evaluated on the final checkpoint: set checkpoint.save_at_end: true"]
+    post_ln = config_from_dict({**TINY, "model": {**TINY["model"], "norm_scheme": "post_ln"},
+                                "train": {**TINY.get("train", {}), "eval_tasks": ["hellaswag"]}})
+    [refused] = preflight.downstream_problems(post_ln, rank=1)
+    assert refused.startswith("train.eval_tasks go through the Hugging Face export, which refuses this model")
+    finding = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else finding(name, *a))
+    assert preflight.wandb_problems(config.logging.wandb) == [
+        "logging.wandb.mode is offline but wandb is not installed: pip install wandb (or pip install "
+        "'lnstrain[wandb]'), or set logging.wandb.mode: disabled"]
