@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         "schema": SCHEMA,
         "command": shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]),
         "environment": environment(device, world_size),
-        "shape": shape(config, world_size),
+        "shape": shape(config, world_size, device.type),
         "flops": flops_section(flops),
         "peak": {"tflops": peak.tflops, "dtype": "bf16 dense", "source": peak.source},
         "protocol": {"warmup_steps": args.warmup, "timed_steps": args.steps, "order": "interleaved, alternating",

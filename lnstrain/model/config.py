@@ -48,6 +48,10 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """The SDPA kernel attention runs: ``auto`` prefers cuDNN's on Hopper GPUs (compute capability 9),
+    then flash, memory-efficient and math as each fits, and leaves the choice to torch elsewhere; a named
+    kernel is the only one allowed (torch raises where it cannot run the shapes or dtype)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ffn_multiple_of, int) and isinstance(self.ffn_hidden_size, int) and self.ffn_multiple_of > 1:
