@@ -112,7 +112,7 @@ def expected_attention_ops(backend: str, device: torch.device) -> tuple[str, ...
     return FUSED_ATTENTION  # elsewhere torch's own choice, a flash-style kernel
 
 
-@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.gpu_core), "cudnn", "flash", "efficient"])
 def test_the_configured_attention_kernel_runs_and_matches_the_math_kernel(device, backend):
     if device.type == "cpu" and backend in ("cudnn", "efficient"):
         pytest.skip(f"{backend} is a CUDA kernel (the pre-launch check refuses it on the CPU)")
@@ -150,6 +150,7 @@ def expected_rms_norm_kernel(device: torch.device) -> str:
     return "torch-fused" if TORCH_FUSED_RMS_NORM_ON_CUDA else "none"
 
 
+@pytest.mark.gpu_core
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_rms_norm_takes_a_fused_kernel_with_the_lns_factor_folded_in(device, dtype):
     hidden, eps, factor = 1024, 1e-5, 3 ** -0.5  # layer 3's LNS factor
