@@ -64,6 +64,14 @@ def _full_normal(cfg: ModelConfig, seed: int, name: str, part_name: str, rows: i
 _DRAWN = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
+def _interposed() -> bool:
+    """Whether a dispatch or function mode is active on this thread (fake tensors, a memory tracker): its
+    tensors and records are the calling thread's, so the weights must be drawn there."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
+
+
 def _draw_layer(module: nn.Module, prefix: str, cfg: ModelConfig, seed: int) -> None:
     """Draw a tensor-parallel layer's full weight and keep this rank's shard."""
     if isinstance(module, ColumnParallelLinear):
@@ -103,7 +111,7 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int | None = None) -
     layers: list[tuple[nn.Module, str]] = []
     _layers_to_draw(module, "", layers)
     threads = min(len(layers), torch.get_num_threads())
-    if threads <= 1:
+    if threads <= 1 or _interposed():
         for layer, prefix in layers:
             _draw_layer(layer, prefix, cfg, seed)
         return
