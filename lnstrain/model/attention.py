@@ -12,6 +12,7 @@ softmax(q k^T) v, in backward instead of keeping what it saves: the inputs q, k,
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,10 @@ HOPPER_PREFERENCE = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDP
                      SDPBackend.MATH]
 """``auto`` on compute capability 9: cuDNN's fused attention first (faster than FlashAttention-2 on
 Hopper in torch's and NVIDIA's measurements), each next kernel where the previous cannot run."""
+
+
+_PRIORITY = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+"""``sdpa_kernel``'s ``set_priority`` (torch 2.6+): the list's order is the order tried, not only the set allowed."""
 
 
 def sdpa_backends(choice: str, device_type: str) -> list[SDPBackend] | None:
@@ -111,7 +116,7 @@ class Attention(nn.Module):
         """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], on ``sdpa_backends``."""
         if self.sdpa_backends is None:
             return self._sdpa(q, k, v)
-        with sdpa_kernel(self.sdpa_backends, set_priority=True):
+        with sdpa_kernel(self.sdpa_backends, **_PRIORITY):
             return self._sdpa(q, k, v)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
