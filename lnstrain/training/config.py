@@ -111,7 +111,12 @@ class TrainConfig:
         eval_tasks_limit: at most this many documents per task (below 1: that share); unset: all.
         activation_checkpointing: ``none``, ``full`` (recompute each layer) or ``selective``
             (recompute attention only).
-        compile: wrap each transformer layer in ``torch.compile``.
+        compile: compile each transformer layer with ``torch.compile``: ``auto`` (the default) on CUDA
+            wherever it composes with the layout (every ZeRO stage but 3), not on the CPU (the first
+            compilation costs more than it saves there); ``true`` anywhere it composes; ``false`` never.
+        compile_backend: ``torch.compile``'s backend: ``inductor`` (generates fused kernels) or
+            ``aot_eager`` (traces forward and backward without generating kernels: for debugging a
+            compiled run, and the CPU tests of how compilation composes with each layout).
         exit_after_minutes: save and stop cleanly (every rank after the same step, exit status 75)
             before this many minutes have passed since training started in this process (Megatron-LM's
             ``--exit-duration-in-mins``); for a job time limit without a warning signal. The margin
@@ -144,7 +149,8 @@ class TrainConfig:
     eval_tasks_include_path: list[str] = field(default_factory=list)
     eval_tasks_limit: float | None = None
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     exit_after_minutes: float | None = None
     nonfinite_policy: Literal["skip", "stop", "rollback"] = "skip"
     max_nonfinite_in_a_row: int = 10

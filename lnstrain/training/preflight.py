@@ -100,12 +100,16 @@ def device_problems(config: Config, local_rank: int) -> list[str]:
     """This machine can run the precision, and has a GPU for this rank (lnstrain uses GPU ``LOCAL_RANK``)."""
     import torch
 
-    dtype = config.precision.dtype
+    dtype, attention = config.precision.dtype, config.model.attention_backend
     if not torch.cuda.is_available():
+        problems = []
         if dtype == "fp16":  # DeepSpeed's CPU accelerator takes it only on CPUs with fp16 instructions
-            return ["precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
-                    "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32"]
-        return []
+            problems.append("precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
+                            "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32")
+        if attention in ("cudnn", "efficient"):
+            problems.append(f"model.attention_backend is {attention}, a CUDA kernel, and this machine has no CUDA GPU; "
+                            "on the CPU use auto, flash or math")
+        return problems
     problems = []
     count = torch.cuda.device_count()
     if local_rank >= count:

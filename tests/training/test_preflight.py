@@ -161,6 +161,17 @@ def test_fp16_is_refused_on_a_gpu_deepspeed_does_not_support_it_on_and_ranks_nee
     assert "this is local rank 2 but the machine shows 2 GPU(s)" in problem
 
 
+def test_a_cuda_attention_kernel_is_refused_on_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend in ("cudnn", "efficient"):
+        config = config_from_dict({**TINY, "model": {"preset": "tiny", "attention_backend": backend}})
+        [problem] = preflight.device_problems(config, local_rank=0)
+        assert f"model.attention_backend is {backend}, a CUDA kernel" in problem and "auto, flash or math" in problem
+    for backend in ("auto", "flash", "math"):
+        config = config_from_dict({**TINY, "model": {"preset": "tiny", "attention_backend": backend}})
+        assert preflight.device_problems(config, local_rank=0) == []
+
+
 def test_deepspeed_refusals_of_the_derived_json_are_problems():
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
 
