@@ -16,8 +16,10 @@ EXTRAS = {
     # Hugging Face export/import (safetensors shards), the transformers baseline benchmark, and
     # tools/analyze_depth.py --hf (accelerate: transformers' device_map for models larger than one device).
     "hf": ["safetensors>=0.4", "transformers>=4.40", "accelerate>=0.26"],
-    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM.
-    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40"],
+    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM; accelerate
+    # runs the test of a Hugging Face model spread over devices (skipped without it).
+    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40",
+             "accelerate>=0.26"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
