@@ -3,8 +3,8 @@ environment and passes tests, ``launch/train.sh`` reuses it and trains the demo;
 the step and prints the exact command that resumes (that rerunning resumes is tests/training/test_resume.py's).
 
 To stay fast and offline the scripts get an environment that already has every package (a venv that
-sees this interpreter's site-packages, ``LNSTRAIN_VENV``): what they install there is lnstrain itself,
-from the clone; the download of torch is not exercised here (CI's fresh clone does that).
+sees this test's site-packages, ``LNSTRAIN_VENV``): what they install there is lnstrain itself, from
+the clone; installing torch and the rest is not exercised here (CI's fresh clone does that).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import re
 import shlex
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -57,11 +59,21 @@ def run(command: str, cwd: Path, env: dict[str, str], interrupt_after: str | Non
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def environment_with_every_package(venv: Path) -> Path:
+    """A new venv that sees this test's packages (its site-packages, by a ``.pth`` file: whether this is
+    a venv itself or not) but not their ``.pth`` files, so the clone's editable install is the lnstrain."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    own = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    seen = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *site.getsitepackages()])
+    (Path(own) / "test_packages.pth").write_text("".join(f"{path}\n" for path in seen))
+    return venv
+
+
 @pytest.mark.slow
 def test_two_commands_set_up_pass_tests_and_train_and_ctrl_c_says_how_to_resume(tmp_path):
     clone = scratch_clone(tmp_path / "clone")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    venv = environment_with_every_package(tmp_path / "venv")
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env |= {"LNSTRAIN_VENV": str(venv), "DEMO_WORKDIR": str(tmp_path / "demo")}

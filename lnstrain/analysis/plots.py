@@ -45,17 +45,7 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     ax.legend()
     names.append(_save(plt, fig, out_dir, "variance.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(runs)
-    for index, run in enumerate(runs):
-        layers = [p.layer + (index - (len(runs) - 1) / 2) * width for p in run.pruning]
-        ax.bar(layers, [p.delta_loss for p in run.pruning], width=width, label=run.name)
-    ax.axhline(runs[0].summary.near_identity_threshold, color="grey", linestyle="--", linewidth=1,
-               label="near-identity threshold")
-    ax.set_yscale("symlog", linthresh=runs[0].summary.near_identity_threshold)  # layer 1 would dwarf the rest
-    ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
-    ax.legend()
-    names.append(_save(plt, fig, out_dir, "pruning.png"))
+    names.append(_save(plt, pruning_figure(plt, runs), out_dir, "pruning.png"))
 
     import numpy as np
 
@@ -68,6 +58,29 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
         ax.set(xlabel="layer l", ylabel="offset n", title=f"{run.name}: d(entering l, entering l + n)")
         names.append(_save(plt, fig, out_dir, f"angular_{file_stem(run.name)}.png"))
     return names
+
+
+PRUNING_HEADROOM = 2.5
+"""The y axis reaches this factor beyond the tallest (and deepest) bar: on the symlog scale the tallest
+bar, usually a layer 1, would otherwise end at the frame and look cut off."""
+
+
+def pruning_figure(plt, runs: Sequence[DepthAnalysis]):
+    """ΔP(ℓ) of every run as bars side by side, on a symlog scale (layer 1 would dwarf the rest)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(runs)
+    threshold = runs[0].summary.near_identity_threshold
+    for index, run in enumerate(runs):
+        layers = [p.layer + (index - (len(runs) - 1) / 2) * width for p in run.pruning]
+        ax.bar(layers, [p.delta_loss for p in run.pruning], width=width, label=run.name)
+    ax.axhline(threshold, color="grey", linestyle="--", linewidth=1, label="near-identity threshold")
+    ax.set_yscale("symlog", linthresh=threshold)
+    losses = [p.delta_loss for run in runs for p in run.pruning]
+    ax.set_ylim(PRUNING_HEADROOM * min(min(losses, default=0.0), -threshold / 2),
+                PRUNING_HEADROOM * max(max(losses, default=0.0), threshold))
+    ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
+    ax.legend()
+    return fig
 
 
 def _save(plt, fig, out_dir: Path, name: str) -> str:
