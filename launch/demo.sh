@@ -14,14 +14,6 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-WORK=${DEMO_WORKDIR:-demo_workdir}
-PYTHON=${PYTHON:-python}
-NUM_RANKS=${NUM_RANKS:-1}
-# Idle OpenMP threads sleep instead of spinning: on a CPU shared with other work, spinning threads
-# slowed the demo many times over (docs/training.md, "CPU threads", has the measurement).
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-OWN_CONFIG=0
-for arg in "$@"; do [[ "$arg" == --config || "$arg" == --config=* ]] && OWN_CONFIG=1; done
 if [[ -z "${LNSTRAIN_RESUME_COMMAND:-}" ]]; then  # what a stopped run says to rerun: this command
     LNSTRAIN_RESUME_COMMAND=""
     for name in DEMO_WORKDIR NUM_RANKS; do
@@ -31,6 +23,14 @@ if [[ -z "${LNSTRAIN_RESUME_COMMAND:-}" ]]; then  # what a stopped run says to r
     for arg in "$@"; do LNSTRAIN_RESUME_COMMAND+=" $(printf '%q' "$arg")"; done
     export LNSTRAIN_RESUME_COMMAND
 fi
+WORK=${DEMO_WORKDIR:-demo_workdir}
+PYTHON=${PYTHON:-python}
+NUM_RANKS=${NUM_RANKS:-1}
+# Idle OpenMP threads sleep instead of spinning: on a CPU shared with other work, spinning threads
+# slowed the demo many times over (docs/training.md, "CPU threads", has the measurement).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+OWN_CONFIG=0
+for arg in "$@"; do [[ "$arg" == --config || "$arg" == --config=* ]] && OWN_CONFIG=1; done
 
 ARGS=()
 if (( OWN_CONFIG )); then
