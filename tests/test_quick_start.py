@@ -78,7 +78,7 @@ def test_two_commands_set_up_pass_tests_and_train_and_ctrl_c_says_how_to_resume(
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env |= {"LNSTRAIN_VENV": str(venv), "DEMO_WORKDIR": str(tmp_path / "demo")}
 
-    code, output = run("bash launch/test.sh tests/test_import_graph.py", clone, env)
+    code, output = run("bash launch/test.sh tests/test_readme.py", clone, env)
     assert code == 0, output[-3000:]
     assert "installing lnstrain" in output and re.search(r"^\d+ passed", output, re.M), output[-3000:]
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", "import lnstrain; print(lnstrain.__file__)"],
