@@ -23,6 +23,14 @@ from lnstrain.data.preprocess import PreprocessConfig, PreprocessStats, preproce
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a scheduler or container may narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -35,7 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                           "several, one output <prefix>_<key> per key")
     p.add_argument("--txt-mode", choices=TXT_MODES, default="line",
                    help="what a document is in .txt files: a line, a blank-line-separated block, or the file")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    p.add_argument("--workers", type=int, default=max(1, available_cores() - 1), metavar="N",
+                   help="processes that decode and tokenize while the main process reads and writes (default: "
+                        "the cores available less one, at least 1; %(default)s here); more than the cores "
+                        "available only adds overhead, so a larger N is capped at the core count, with a note")
     p.add_argument("--no-append-eos", dest="append_eos", action="store_false", help="do not append EOS")
     p.add_argument("--prepend-bos", action="store_true", help="prepend BOS to each document")
     p.add_argument("--batch-mb", type=float, default=1.0, help="raw MB per worker task")
@@ -59,6 +70,14 @@ class Progress:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workers < 1:
+        print(f"preprocess_data: error: --workers must be at least 1 (got {args.workers})", file=sys.stderr)
+        return 2
+    cores = available_cores()
+    if args.workers > cores:
+        print(f"preprocess_data: --workers {args.workers} is more than the {cores} core(s) available; using "
+              f"{cores}", file=sys.stderr)
+        args.workers = cores
     progress = Progress()
     try:
         cfg = PreprocessConfig(inputs=expand_inputs(args.input), tokenizer=args.tokenizer,

@@ -36,13 +36,6 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     plt = pyplot()
     if plt is None:
         return []
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
-
-    def integer_layers(*axes) -> None:
-        for axis in axes:
-            axis.set_major_locator(MaxNLocator(integer=True))
-
     names = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -52,6 +45,40 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
     integer_layers(ax.xaxis)
     ax.legend()
     names.append(_save(plt, fig, out_dir, "variance.png"))
+
+    names.append(_save(plt, pruning_figure(plt, runs), out_dir, "pruning.png"))
+
+    import numpy as np
+
+    for run in runs:
+        grid = np.array([[np.nan if d is None else d for d in row] for row in run.distance_by_offset()])
+        fig, ax = plt.subplots(figsize=(6, 5))
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0.0,
+                          extent=(0.5, run.num_layers + 0.5, 0.5, run.num_layers + 0.5))
+        fig.colorbar(image, ax=ax, label="angular distance / π")
+        ax.set(xlabel="layer l", ylabel="offset n", title=f"{run.name}: d(entering l, entering l + n)")
+        integer_layers(ax.xaxis, ax.yaxis)
+        names.append(_save(plt, fig, out_dir, f"angular_{file_stem(run.name)}.png"))
+    return names
+
+
+PRUNING_HEADROOM = 2.5
+"""The y axis reaches this factor beyond the tallest (and deepest) bar: on the symlog scale the tallest
+bar, usually a layer 1, would otherwise end at the frame and look cut off."""
+
+
+def integer_layers(*axes) -> None:
+    """Ticks at whole layer numbers only."""
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def pruning_figure(plt, runs: Sequence[DepthAnalysis]):
+    """ΔP(ℓ) of every run as bars side by side, on a symlog scale (layer 1 would dwarf the rest); bars
+    whose removal lowers the loss hatched, the near-identity band |ΔP| < threshold shaded."""
+    from matplotlib.patches import Patch
 
     fig, ax = plt.subplots(figsize=(8.5, 4))
     width = 0.8 / len(runs)
@@ -69,24 +96,14 @@ def write_plots(runs: Sequence[DepthAnalysis], out_dir: Path) -> list[str]:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="removal lowers the loss"))
     ax.axhspan(-threshold, threshold, color="grey", alpha=0.15)
     ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_yscale("symlog", linthresh=threshold)  # layer 1 would dwarf the rest
+    ax.set_yscale("symlog", linthresh=threshold)
+    losses = [p.delta_loss for run in runs for p in run.pruning]
+    ax.set_ylim(PRUNING_HEADROOM * min(min(losses, default=0.0), -threshold / 2),
+                PRUNING_HEADROOM * max(max(losses, default=0.0), threshold))
     ax.set(xlabel="layer removed", ylabel="Δ validation loss (nats)", title="Layer pruning: ΔP(l)")
     integer_layers(ax.xaxis)
     ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # clear of the bars
-    names.append(_save(plt, fig, out_dir, "pruning.png"))
-
-    import numpy as np
-
-    for run in runs:
-        grid = np.array([[np.nan if d is None else d for d in row] for row in run.distance_by_offset()])
-        fig, ax = plt.subplots(figsize=(6, 5))
-        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0.0,
-                          extent=(0.5, run.num_layers + 0.5, 0.5, run.num_layers + 0.5))
-        fig.colorbar(image, ax=ax, label="angular distance / π")
-        ax.set(xlabel="layer l", ylabel="offset n", title=f"{run.name}: d(entering l, entering l + n)")
-        integer_layers(ax.xaxis, ax.yaxis)
-        names.append(_save(plt, fig, out_dir, f"angular_{file_stem(run.name)}.png"))
-    return names
+    return fig
 
 
 def _save(plt, fig, out_dir: Path, name: str) -> str:

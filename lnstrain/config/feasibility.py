@@ -179,6 +179,8 @@ def overcounted_kv_rows(config: RunSections) -> str:
     if not (parallel.tensor > 1 and model.fused_qkv and model.kv_heads < parallel.tensor
             and config.optim.grad_clip > 0):
         return ""
+    if model.num_heads % parallel.tensor:  # the heads cannot be split at all: that problem is reported alone
+        return ""
     return (f"model.fused_qkv with model.num_kv_heads ({model.kv_heads}) < parallel.tensor ({parallel.tensor}) "
             "puts sharded query rows and replicated key/value rows in one parameter; a gradient norm counts "
             "a parameter on every tensor rank or on one, so the key/value rows are counted "

@@ -117,7 +117,7 @@ class ModelConfig:
         if self.num_heads % tp:
             problems.append(f"model.num_heads ({self.num_heads}) must be divisible by "
                             f"parallel.tensor ({tp})")
-        if self.kv_heads % tp and tp % self.kv_heads:
+        if self.num_kv_heads is not None and self.kv_heads % tp and tp % self.kv_heads:  # unset: num_heads's line
             problems.append(f"model.num_kv_heads ({self.kv_heads}) must divide or be divisible by "
                             f"parallel.tensor ({tp})")
         if self.ffn_hidden_size % tp:

@@ -41,10 +41,14 @@ def tokenizer_problems(config: Config) -> list[str]:
         tokenizer = Tokenizer(path)
     except ValueError as error:
         return [f"data.tokenizer: {error}"]
-    if tokenizer.vocab_size > config.model.vocab_size:
-        return [f"data.tokenizer {path} has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                f"{config.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size} "
-                f"(--set model.vocab_size={tokenizer.vocab_size}) or use a smaller tokenizer"]
+    pieces, rows = tokenizer.vocab_size, config.model.vocab_size
+    if pieces > rows:
+        return [f"data.tokenizer {path} has {pieces} pieces but model.vocab_size is {rows}: the model has no "
+                f"embedding for ids {rows}..{pieces - 1}; set model.vocab_size to {pieces} "
+                f"(--set model.vocab_size={pieces}) or use a tokenizer of at most {rows} pieces"]
+    if pieces < rows:
+        logger.info("data.tokenizer has %d pieces and model.vocab_size is %d: %d embedding rows will never be used "
+                    "(--set model.vocab_size=%d would fit the tokenizer exactly)", pieces, rows, rows - pieces, pieces)
     return []
 
 

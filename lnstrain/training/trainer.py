@@ -306,7 +306,8 @@ class Trainer:
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
                     result.exit_code = EXIT_STOPPED
-                    logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
+                    if self.rank == 0:  # the same decision on every rank
+                        logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
                     return result
             self._record_eval(result)
             if config.checkpoint.save_at_end and self.checkpoints.last_saved_step != position.step:

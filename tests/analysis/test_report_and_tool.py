@@ -80,6 +80,33 @@ def test_plot_axes_count_layers_in_whole_numbers(two_runs, tmp_path, monkeypatch
         assert values and all(float(v).is_integer() for v in values), (name, values)
 
 
+def test_the_pruning_plot_leaves_room_above_the_tallest_bar_and_below_the_deepest():
+    """The depth demo's ΔP profile: matplotlib's 5 % margin, added in linear units, is invisible on the
+    symlog axis, and LNS's layer-1 bar (4 nats) ended at the frame."""
+    from types import SimpleNamespace
+
+    from lnstrain.analysis.plots import pruning_figure, pyplot
+
+    if pyplot() is None:
+        pytest.skip("matplotlib is not installed")
+    profiles = {"pre_ln": [1.3, 0.25, 0.018, 0.006, 0.001, 0.002, 0.02, 0.009],
+                "lns": [4.0, 0.04, 0.004, 0.04, 0.003, -0.001, -0.0015, -0.003]}
+    runs = [SimpleNamespace(name=name, summary=SimpleNamespace(near_identity_threshold=0.01),
+                            pruning=[SimpleNamespace(layer=i + 1, delta_loss=d) for i, d in enumerate(deltas)])
+            for name, deltas in profiles.items()]
+    plt = pyplot()
+    figure = pruning_figure(plt, runs)
+    axes = figure.axes[0]
+    figure.canvas.draw()
+    height = lambda y: axes.transData.transform((0, y))[1]  # display units, as drawn  # noqa: E731
+    bottom, top = (height(y) for y in axes.get_ylim())
+    bars = [bar.get_height() for container in axes.containers for bar in container]
+    assert len(bars) == 16 and axes.get_yscale() == "symlog"
+    assert top - height(max(bars)) > 0.05 * (top - bottom)
+    assert height(min(bars)) - bottom > 0.05 * (top - bottom)
+    plt.close(figure)
+
+
 def test_run_names_must_differ(two_runs, tmp_path):
     with pytest.raises(ValueError, match="run names must differ"):
         write_report([two_runs[0], two_runs[0]], tmp_path)

@@ -141,6 +141,24 @@ def test_two_ranks_under_the_deepspeed_launcher_print_the_list_once_and_exit_2(b
     assert "unknown key 'optim.warmup_stpes' (did you mean 'warmup_steps'?)" in output and says in output
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_a_problem_and_a_smaller_one_a_note(tiny_corpus, tmp_path, caplog):
+    """More pieces than embedding rows: refused, naming both numbers and the fix; fewer: one info line."""
+    def problems(vocab_size: int) -> list[str]:
+        overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [f"model.vocab_size={vocab_size}"]
+        return preflight.tokenizer_problems(load_config(TINY_RUN_CONFIG, overrides, validate=False))
+
+    with caplog.at_level("INFO", logger="lnstrain.training.preflight"):
+        assert problems(200) == [] and not caplog.records  # the tiny tokenizer's 200 pieces exactly
+        assert problems(150) == [f"data.tokenizer {tiny_corpus.tokenizer} has 200 pieces but model.vocab_size is 150: "
+                                 "the model has no embedding for ids 150..199; set model.vocab_size to 200 "
+                                 "(--set model.vocab_size=200) or use a tokenizer of at most 150 pieces"]
+        assert not caplog.records
+        assert problems(256) == []
+    (note,) = caplog.records
+    assert note.levelname == "INFO" and note.getMessage().startswith(
+        "data.tokenizer has 200 pieces and model.vocab_size is 256: 56 embedding rows will never be used")
+
+
 # --- checks that need another machine, in process ---------------------------------------------------
 TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 16},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": 10}}
