@@ -1,20 +1,23 @@
 #!/usr/bin/env python
 """Pretrain a LLaMA-family model from one YAML run description.
 
-    deepspeed launch/pretrain.py --config configs/7b_lns.yaml            # all local GPUs (or CPU ranks)
-    deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
-    python launch/pretrain.py --config configs/demo.yaml --set train.steps=50
+    python launch/pretrain.py --config configs/demo.yaml --set train.steps=50      # one process
+    deepspeed --log_level warning --master_port 29600 launch/pretrain.py --config configs/7b_lns.yaml
+    deepspeed --log_level warning --master_port 29600 --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
     python launch/pretrain.py --config configs/7b_lns.yaml --dry-run --world-size 16   # estimate only
 
+(--master_port: the launcher's default port, 29500, is often taken on a shared machine; --log_level
+warning: without the launcher's informational lines.)
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
 reported together with exit code 2; so is a checkpoint that cannot be resumed safely (a file
 whose pickle would run code, no checkpoint whose files verify). A save that cannot write (no space,
 no permission, on any rank) stops every rank with exit 1 and one message naming the rank, the path
-and the free space. SIGTERM or SIGUSR1 (or train.exit_after_minutes) make every rank save after the
-same step and exit 75. Rerunning a finished run says so and changes nothing.
+and the free space. SIGTERM, SIGUSR1, a first Ctrl-C (or train.exit_after_minutes) make every rank
+save after the same step and exit 75, with a line naming the command that resumes; a second Ctrl-C
+stops at once (exit 130). Rerunning a finished run says so and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
-be resumed (the same command continues); see lnstrain/training/outcome.py.
+be resumed (the same command continues), 130 interrupted; see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
 libraries' informational messages.
 """
@@ -36,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
-from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, finished_step  # noqa: E402
+from lnstrain.training.outcome import (  # noqa: E402
+    EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED, finished_step)
+from lnstrain.training.rerun_command import resume_command  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
@@ -47,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="run description (YAML)")
     add_override_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the memory and throughput estimate and exit without starting anything")
+                        help="print the memory and throughput estimate and exit without starting anything (missing "
+                             "data files are noted in it; other config problems stop it, exit 2)")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="with --dry-run: the number of ranks to estimate for (default: $WORLD_SIZE when a "
                              "launcher sets it, else parallel.tensor x parallel.pipeline, one data-parallel replica)")
@@ -182,6 +188,19 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``launch`` and turn a Ctrl-C outside the training loop (which handles its own) into one
+    line from rank 0 and exit 130, instead of a traceback on every rank."""
+    rerun = resume_command(sys.argv if argv is None else [sys.argv[0], *argv])  # before the environment changes
+    try:
+        return launch(argv, rerun)
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"\nlnstrain: interrupted (Ctrl-C) outside the training loop, so no trained step was lost; to "
+                  f"continue, rerun: {rerun}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def launch(argv: list[str] | None, rerun: str) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -248,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
         logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / TENSORBOARD_DIR)
+    if result.exit_code == EXIT_STOPPED and rank == 0:
+        print(f"lnstrain: stopped to be resumed after step {result.position.step} of {config.total_steps} "
+              f"({result.stop_reason}){f'; checkpoint {result.last_checkpoint}' if result.last_checkpoint else ''}; "
+              f"to continue, rerun: {rerun}",
+              file=sys.stderr, flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():

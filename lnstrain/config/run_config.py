@@ -26,6 +26,7 @@ from lnstrain.model.config import ModelConfig
 from lnstrain.no_follow import write_text_replacing
 from lnstrain.parallel.config import ParallelConfig
 from lnstrain.run_files import CHECKPOINTS_DIR
+from lnstrain.tracking.config import WandbConfig
 from lnstrain.training.config import OptimConfig, PrecisionConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class RunConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console and TensorBoard logging.
+    """Console, TensorBoard and Weights & Biases logging.
 
     Attributes:
         interval: log a line (rank 0) and TensorBoard scalars every this many steps, and at the first
@@ -65,11 +66,14 @@ class LoggingConfig:
         depth_stats_interval: every this many steps, record per-layer statistics (residual
             variance, gradient norms, sublayer-to-residual ratios); 0 disables them. At the default
             of 100 the cost is well under 1% of training time (docs/depth_analysis.md).
+        wandb: Weights & Biases tracking, off by default (``lnstrain.tracking.config.WandbConfig``):
+            every scalar TensorBoard gets, the per-layer profiles and the resolved config.
     """
 
     interval: int = 10
     tensorboard: bool = True
     depth_stats_interval: int = 100
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
         problems = []
@@ -77,7 +81,7 @@ class LoggingConfig:
             problems.append(f"logging.interval must be >= 1 (got {self.interval})")
         if self.depth_stats_interval < 0:
             problems.append(f"logging.depth_stats_interval must be >= 0 (got {self.depth_stats_interval})")
-        return problems
+        return problems + self.wandb.validate()
 
 
 @dataclass

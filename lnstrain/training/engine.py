@@ -102,7 +102,8 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
                 config.model.num_layers, config.model.hidden_size, config.model.norm_scheme.value)
     if overcounted_kv_rows(config):  # refused where DeepSpeed clips; kept where lnstrain does, for existing runs
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
-    module = build_model(config, groups).to(training_device())  # before the optimizer picks its kernel
+    device = training_device()
+    module = build_model(config, groups, device.type).to(device)  # before the optimizer picks its kernel
     optimizer = build_optimizer(module, config.optim)
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,

@@ -20,6 +20,7 @@ from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, saved_confi
 from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_checkpoint, nothing_verifies
 from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
+from lnstrain.tracking.wandb_sink import wandb_problems
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,14 @@ def tokenizer_problems(config: Config) -> list[str]:
         tokenizer = Tokenizer(path)
     except ValueError as error:
         return [f"data.tokenizer: {error}"]
-    if tokenizer.vocab_size > config.model.vocab_size:
-        return [f"data.tokenizer {path} has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                f"{config.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size} "
-                f"(--set model.vocab_size={tokenizer.vocab_size}) or use a smaller tokenizer"]
+    pieces, rows = tokenizer.vocab_size, config.model.vocab_size
+    if pieces > rows:
+        return [f"data.tokenizer {path} has {pieces} pieces but model.vocab_size is {rows}: the model has no "
+                f"embedding for ids {rows}..{pieces - 1}; set model.vocab_size to {pieces} "
+                f"(--set model.vocab_size={pieces}) or use a tokenizer of at most {rows} pieces"]
+    if pieces < rows:
+        logger.info("data.tokenizer has %d pieces and model.vocab_size is %d: %d embedding rows will never be used "
+                    "(--set model.vocab_size=%d would fit the tokenizer exactly)", pieces, rows, rows - pieces, pieces)
     return []
 
 
@@ -125,12 +130,16 @@ def device_problems(config: Config, local_rank: int) -> list[str]:
     """This machine can run the precision, and has a GPU for this rank (lnstrain uses GPU ``LOCAL_RANK``)."""
     import torch
 
-    dtype = config.precision.dtype
+    dtype, attention = config.precision.dtype, config.model.attention_backend
     if not torch.cuda.is_available():
+        problems = []
         if dtype == "fp16":  # DeepSpeed's CPU accelerator takes it only on CPUs with fp16 instructions
-            return ["precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
-                    "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32"]
-        return []
+            problems.append("precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
+                            "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32")
+        if attention in ("cudnn", "efficient"):
+            problems.append(f"model.attention_backend is {attention}, a CUDA kernel, and this machine has no CUDA GPU; "
+                            "on the CPU use auto, flash or math")
+        return problems
     problems = []
     count = torch.cuda.device_count()
     if local_rank >= count:
@@ -195,6 +204,32 @@ def file_problems(config: Config) -> list[str]:
     return problems
 
 
+def downstream_problems(config: Config, rank: int) -> list[str]:
+    """``train.eval_tasks`` can be evaluated: checkpoints at those steps and at the end, a model with a
+    Hugging Face LLaMA form, and (global rank 0, which evaluates; indexing lm-eval's tasks takes seconds)
+    lm-eval installed and every task name known to it."""
+    train = config.train
+    if not train.eval_tasks:
+        return []
+    problems = []
+    every = config.checkpoint.interval_steps
+    if train.eval_tasks_interval and (not every or train.eval_tasks_interval % every):
+        problems.append(f"train.eval_tasks_interval ({train.eval_tasks_interval}) must be a multiple of "
+                        f"checkpoint.interval_steps ({every}): the tasks are evaluated on the checkpoints of those steps")
+    if not config.checkpoint.save_at_end:
+        problems.append("train.eval_tasks are evaluated on the final checkpoint: set checkpoint.save_at_end: true")
+    from lnstrain.checkpoint.hf_exportable import export_problems
+
+    problems += [f"train.eval_tasks go through the Hugging Face export, which refuses this model: {problem}"
+                 for problem in export_problems(config.model)]
+    if rank == 0 and not problems:
+        from lnstrain.evaluation.downstream import DownstreamTasks, task_problems
+
+        problems += task_problems(DownstreamTasks(list(train.eval_tasks), list(train.eval_tasks_include_path)),
+                                  key="train.eval_tasks")
+    return problems
+
+
 def in_use_problems(config: Config) -> list[str]:
     """A trainer running on this run's directories now (the trainer's own lock decides; this says it
     before any rank waits at the rendezvous)."""
@@ -223,6 +258,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     problems += device_problems(config, local_rank)
     problems += tokenizer_problems(config)
     problems += file_problems(config)
+    problems += wandb_problems(config.logging.wandb)
+    problems += downstream_problems(config, rank)
     unreadable = Typed(None, unreadable_keys=list(unreadable_keys))
     places_output = ("run.output_dir", "run.name", "checkpoint.dir")
     if not any(unreadable.about_unreadable_keys(key) for key in places_output):

@@ -31,7 +31,9 @@ from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
 from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, TENSORBOARD_DIR, FinalMetrics
+from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, FinalMetrics
+from lnstrain.tracking.run_sinks import open_run_sinks
+from lnstrain.training.eval_tasks import CheckpointEvaluator
 from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
@@ -120,9 +122,8 @@ class Trainer:
         self.engine = build_engine(config, self.groups)
         self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
                                              data_fingerprint(config.data), tokenizer_checksum(config))
-        tensorboard_dir = config.run.dir / TENSORBOARD_DIR if config.logging.tensorboard else None
-        self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
-                                     tensorboard_dir=tensorboard_dir)
+        self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0)
+        self.downstream = CheckpointEvaluator(config, self.rank, self.engine.device, self.metrics)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
@@ -131,6 +132,16 @@ class Trainer:
         self.recovery = NonFiniteRecovery(config, self.engine, self.checkpoints)
         self._micro_batches = None
         self._iterator_at = -1
+
+    def _open_sinks(self, position: TrainingPosition) -> None:
+        """Rank 0's TensorBoard and W&B sinks; a run resumed from its checkpoint continues its W&B run."""
+        if self.rank != 0:
+            return
+        logging_config = self.config.logging
+        self.metrics.sinks = open_run_sinks(self.config.run.dir, tensorboard=logging_config.tensorboard,
+                                            wandb=logging_config.wandb, run_name=self.config.run.name,
+                                            config=self.config.to_dict(), continue_run=position.step > 0,
+                                            wandb_failure_stops=False)
 
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
@@ -142,12 +153,18 @@ class Trainer:
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
                         self.groups.dp_rank, self.groups.dp_size, vocab_size=self.config.model.vocab_size)
 
-    def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
-        """The checkpoint written, or None when the state was not finite and nothing was saved."""
+    def _save(self, position: TrainingPosition, stop: StopController, final: bool = False,
+              stopping: bool = False) -> str | None:
+        """The checkpoint written (and, when due and the run is not stopping, evaluated on
+        ``train.eval_tasks``), or None when the state was not finite and nothing was saved."""
         started = time.monotonic()
         path = self.checkpoints.save(self.engine, position)
         stop.record_save(time.monotonic() - started)
-        return str(path) if path is not None else None
+        if path is None:
+            return None
+        if not stopping and self.downstream.due(position.step, final):
+            self.downstream.evaluate(str(path), position.step, position.tokens_seen)
+        return str(path)
 
     def _last_good_checkpoint(self) -> str | None:
         """The checkpoint a resume would load now, verified (collective: every rank calls it)."""
@@ -263,6 +280,7 @@ class Trainer:
                 result.exit_code = EXIT_STOPPED
                 logger.warning("not training: %s", result.stop_reason)
                 return result
+            self._open_sinks(position)
             while position.step < self.total_steps:
                 if self.recovery.must_skip(position):
                     self.recovery.skip_step(position)
@@ -275,7 +293,7 @@ class Trainer:
                     position = result.position
                     continue
                 if verdict.stop:
-                    result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
+                    result.last_checkpoint = self._save(position, stop, stopping=True) or self._last_good_checkpoint()
                     result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
@@ -285,11 +303,12 @@ class Trainer:
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
                 decision = stop.poll(seconds, self.checkpoints.last_save_time)
+                urgent = decision.stop  # a signal or the time limit: no downstream evaluation before stopping
                 if stop_at_step is not None and position.step >= stop_at_step:
                     decision.stop, decision.reason = True, f"reached stop_at_step {stop_at_step}"
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
-                    saved = self._save(position, stop)
+                    saved = self._save(position, stop, stopping=urgent)
                     if saved is None:
                         return self._stop_not_finite(position, result)
                     result.last_checkpoint = saved
@@ -297,11 +316,12 @@ class Trainer:
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
                     result.exit_code = EXIT_STOPPED
-                    logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
+                    if self.rank == 0:  # the same decision on every rank
+                        logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
                     return result
             self._record_eval(result)
             if config.checkpoint.save_at_end and self.checkpoints.last_saved_step != position.step:
-                saved = self._save(position, stop)
+                saved = self._save(position, stop, final=True)
                 if saved is None:
                     return self._stop_not_finite(position, result)
                 result.last_checkpoint = saved
