@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lnstrain.checkpoint.async_save import background_save_refusal
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
@@ -118,6 +119,7 @@ class Trainer:
         self.engine = build_engine(config, self.groups)
         self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
                                              data_fingerprint(config.data), tokenizer_checksum(config))
+        self.saves_in_background = self._saves_in_background()
         tensorboard_dir = config.run.dir / TENSORBOARD_DIR if config.logging.tensorboard else None
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
                                      tensorboard_dir=tensorboard_dir)
@@ -140,12 +142,29 @@ class Trainer:
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
                         self.groups.dp_rank, self.groups.dp_size)
 
-    def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
-        """The checkpoint written, or None when the state was not finite and nothing was saved."""
-        started = time.monotonic()
-        path = self.checkpoints.save(self.engine, position)
-        stop.record_save(time.monotonic() - started)
+    def _saves_in_background(self) -> bool:
+        """``checkpoint.async_save``, resolved from the config alone, so every rank decides alike (the
+        pre-launch check refuses ``true`` where it cannot be)."""
+        if self.config.checkpoint.async_save is False:
+            return False
+        refusal = background_save_refusal(self.config)
+        if refusal is not None:
+            logger.warning("checkpoints are written synchronously, training waiting for each: %s", refusal)
+        return refusal is None
+
+    def _save(self, position: TrainingPosition, stop: StopController, wait: bool = False) -> str | None:
+        """The checkpoint written (in the background, unless ``wait``: then published when this
+        returns), or None when the state was not finite and nothing was saved."""
+        path = self.checkpoints.save(self.engine, position, in_background=self.saves_in_background)
+        if wait:
+            self._finish_save(stop, "the run stops")
+        stop.record_save(self.checkpoints.slowest_save_s)
         return str(path) if path is not None else None
+
+    def _finish_save(self, stop: StopController, why: str) -> None:
+        """Wait for the save written in the background, if any, and publish it (collective)."""
+        self.checkpoints.finish_background_save(why)
+        stop.record_save(self.checkpoints.slowest_save_s)
 
     def _last_good_checkpoint(self) -> str | None:
         newest = newest_checkpoint(self.config.checkpoint_dir)
@@ -265,21 +284,24 @@ class Trainer:
                     position = result.position
                     continue
                 if verdict.stop:
-                    result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
+                    result.last_checkpoint = self._save(position, stop, wait=True) or self._last_good_checkpoint()
                     result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
                     return result
                 finished = position.step == self.total_steps
+                if self.checkpoints.publish_if_written() is not None:  # the files of a save done in the background
+                    stop.record_save(self.checkpoints.slowest_save_s)
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
-                decision = stop.poll(seconds, self.checkpoints.last_save_time)
+                decision = stop.poll(seconds, self.checkpoints.last_save_time,
+                                     save_in_flight=self.checkpoints.in_flight is not None)
                 if stop_at_step is not None and position.step >= stop_at_step:
                     decision.stop, decision.reason = True, f"reached stop_at_step {stop_at_step}"
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
-                    saved = self._save(position, stop)
+                    saved = self._save(position, stop, wait=decision.stop)
                     if saved is None:
                         return self._stop_not_finite(position, result)
                     result.last_checkpoint = saved
@@ -295,6 +317,7 @@ class Trainer:
                 if saved is None:
                     return self._stop_not_finite(position, result)
                 result.last_checkpoint = saved
+            self._finish_save(stop, "the run is finished")  # before the marker of a finished run
             self._write_final_metrics(result)
             return result
         finally:
