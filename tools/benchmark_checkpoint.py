@@ -22,8 +22,11 @@ With --background each repeat takes --steps plain steps (the normal step time), 
 check, DeepSpeed's save_checkpoint with the host snapshot, the RNG states) followed by steps until
 its files are published at a step boundary (the step time while the write runs). It prints medians
 and the two ratios, blocking time background / synchronous and step time during the write / normal,
-both from the same run. --torch-dcp adds torch.distributed.checkpoint.async_save of the engine's
-model and optimizer state dicts (another file format; for comparison only).
+both from the same run, and (Linux) the CPU time of the training's own threads per step, normal and
+during the write (every thread but the writer's: steadier than wall-clock time on a shared machine,
+and it still shows what the write costs the training through memory bandwidth and caches).
+--torch-dcp adds torch.distributed.checkpoint.async_save of the engine's model and optimizer state
+dicts (another file format; for comparison only).
 """
 from __future__ import annotations
 
@@ -72,6 +75,18 @@ def drop_cached_pages(directory: Path) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def threads_cpu_seconds(thread_ids: list[int]) -> float:
+    """CPU seconds (user + system) these threads of this process have used (Linux; 0 elsewhere)."""
+    ticks = 0
+    for thread_id in thread_ids:
+        try:
+            fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def timed(action) -> tuple[float, float]:
@@ -156,14 +171,21 @@ def background_saves(args: argparse.Namespace, config, engine, manager) -> int:
         async_save.WRITER_NICENESS = args.writer_niceness
     directory = Path(args.dir)
     seeds = iter(range(1, 10**9))
+    training_threads: list[int] = []
+    cpu: dict[str, list[float]] = {"normal": [], "during": [], "dcp": []}
 
-    def step() -> float:
+    def step(phase: str = "normal") -> float:
         batch = synthetic_micro_batches(config, engine.accumulation_steps, seed=next(seeds))
-        started = time.perf_counter()
+        cpu_started, started = threads_cpu_seconds(training_threads), time.perf_counter()
         engine.train_step(batch)
+        cpu[phase].append(threads_cpu_seconds(training_threads) - cpu_started)
         return time.perf_counter() - started
 
-    step()  # warm-up beyond the first step
+    step()  # warm-up beyond the first step: torch's and DeepSpeed's threads exist now, no writer's yet
+    if os.path.isdir("/proc/self/task"):
+        training_threads += [int(name) for name in os.listdir("/proc/self/task")]
+    cpu["normal"].clear()
+
     normal, sync_block, async_block, snapshot, during, writes, steps_per_write = [], [], [], [], [], [], []
     dcp_block, dcp_during, dcp_total = [], [], []
     position = TrainingPosition()
@@ -179,7 +201,7 @@ def background_saves(args: argparse.Namespace, config, engine, manager) -> int:
         snapshot.append(in_flight.snapshot_seconds)
         count = 0
         while manager.publish_if_written() is None:
-            during.append(step())
+            during.append(step("during"))
             count += 1
         writes.append(in_flight.write_seconds)
         steps_per_write.append(count)
@@ -194,7 +216,7 @@ def background_saves(args: argparse.Namespace, config, engine, manager) -> int:
             future = dcp.async_save(state, checkpoint_id=str(target))
             dcp_block.append(time.perf_counter() - started)
             while not future.done():
-                dcp_during.append(step())
+                dcp_during.append(step("dcp"))
             future.result()
             dcp_total.append(time.perf_counter() - started)
             shutil.rmtree(target)
@@ -214,7 +236,12 @@ def background_saves(args: argparse.Namespace, config, engine, manager) -> int:
         print(f"  {label:<32}{median(seconds):8.2f} s")
     print(f"  blocking, background / synchronous: {median(async_block) / median(sync_block):.1%}")
     print(f"  step during the write / normal step: {median(during) / median(normal):.2f}x "
-          f"({median(steps_per_write):.0f} steps per background write)")
+          f"({median(steps_per_write):.0f} steps per background write; normal steps {min(normal):.2f}-"
+          f"{max(normal):.2f} s)")
+    if training_threads:
+        print(f"  training threads' CPU per step, during the write / normal: "
+              f"{median(cpu['during']):.2f} / {median(cpu['normal']):.2f} s = "
+              f"{median(cpu['during']) / median(cpu['normal']):.2f}x")
     return 0
 
 

@@ -54,8 +54,6 @@ WRITER_NICENESS = 19
 """The background writer's nice value (Linux: per thread; the SHA-256 helper it starts inherits it)."""
 MEMORY_RESERVE_FRACTION = 0.05
 """Host memory a snapshot leaves free: this fraction of the machine's total, for everything else."""
-OTHER_CHECKPOINT_ENGINES = ("writer", "datastates")
-"""Keys of the DeepSpeed JSON (``deepspeed:`` pass-through) that replace its torch checkpoint engine."""
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
@@ -100,9 +98,12 @@ def snapshot_shortfall(config: Config, world_size: int, local_ranks: int, on_gpu
 def background_save_refusal(config: Config) -> str | None:
     """Why this config's checkpoints cannot be written in the background, None when they can. Only the
     config decides, so every rank reaches the same verdict."""
-    section = config.deepspeed.get("checkpoint", {})
-    chosen = [key for key in OTHER_CHECKPOINT_ENGINES
-              if (section.get(key) if key == "writer" else config.deepspeed.get(key, {}).get("enabled"))]
+    def section(value: Any) -> dict:
+        return value if isinstance(value, dict) else {}
+
+    chosen = [name for name, selected in (
+        ("checkpoint.writer", section(config.deepspeed.get("checkpoint")).get("writer")),
+        ("datastates", section(config.deepspeed.get("datastates")).get("enabled"))) if selected]
     if chosen:
         return (f"the deepspeed: section selects another DeepSpeed checkpoint engine ({', '.join(chosen)}), whose "
                 "writes lnstrain cannot stage, hash or publish")
@@ -169,6 +170,7 @@ class HostSnapshot:
     def __init__(self, buffers: SnapshotBuffers) -> None:
         self.buffers = buffers
         self.bytes = 0
+        """Bytes copied so far, over every state dict."""
         self._storages: dict[int, torch.UntypedStorage] = {}
         self._copies: dict[int, Any] = {}
         self._deepcopy_memo: dict[int, Any] = {}

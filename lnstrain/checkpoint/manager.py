@@ -39,6 +39,7 @@ from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, METADATA
                                           write_atomically)
 from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
 from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
+from lnstrain.checkpoint.write_errors import human_bytes
 from lnstrain.run_files import LATEST_FILE
 
 if TYPE_CHECKING:
@@ -286,12 +287,12 @@ class CheckpointManager:
             background.records = records
             background.blocking_seconds = time.monotonic() - started
             background.queue(lambda: self._write_own_files(step_dir, rank, own_files, records))
+            logger.info("checkpoint %s: %s of state copied to host memory, training blocked %.1f s; writing it in the "
+                        "background", step_dir, human_bytes(background.snapshot.bytes), background.blocking_seconds)
             background.start()
             self.in_flight = background
             self.last_save_time = time.monotonic()
             self.last_saved_step = position.step
-            logger.info("checkpoint %s: state copied to host memory in %.1f s, written in the background", step_dir,
-                        background.blocking_seconds)
             return step_dir
         if held.error is None:
             with held.catching():

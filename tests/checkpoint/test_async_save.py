@@ -123,7 +123,6 @@ def killed_while_training_goes_on(rank: int, world_size: int, corpus: TinyCorpus
                 trainer.checkpoints.snapshot_host_bytes, estimate)}
 
 
-@pytest.mark.slow
 def test_a_background_save_writes_what_a_synchronous_one_does_and_a_kill_during_it_loses_nothing(
         tiny_corpus, tmp_path):
     [out] = run_distributed(killed_while_training_goes_on, 1, tiny_corpus, tmp_path, timeout_s=300)
@@ -226,7 +225,7 @@ def saved(rank: int, world_size: int, corpus: TinyCorpus, root: Path, layout: li
 
     def config(name: str, *extra: str):
         overrides = tiny_run_overrides(corpus, root / name) + layout + list(extra)
-        return load_config(TINY_RUN_CONFIG, overrides + ["train.steps=3", "checkpoint.interval_steps=1",
+        return load_config(TINY_RUN_CONFIG, overrides + ["train.steps=2", "checkpoint.interval_steps=1",
                                                          "train.eval_interval=0"], world_size)
 
     name = "background" if in_background else "synchronous"
@@ -244,14 +243,13 @@ def test_background_saves_are_bit_identical_and_resume_at_every_layout(tiny_corp
     with them) by a counter over every engine a process builds."""
     synchronous = run_distributed(saved, 2, tiny_corpus, tmp_path, LAYOUTS[layout], False, timeout_s=300)
     background = run_distributed(saved, 2, tiny_corpus, tmp_path, LAYOUTS[layout], True, timeout_s=300)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         name = f"global_step{step}"
         written = sha256s(tmp_path / "background" / "tiny" / "checkpoints" / name)
         assert written == sha256s(tmp_path / "synchronous" / "tiny" / "checkpoints" / name), (layout, step)
     for expected, out in zip(synchronous, background):
         assert out["losses"] == expected["losses"]
-        assert sorted(out["resumed"]) == [2, 3]
-        assert all(out["resumed"][s] == expected["losses"][s] for s in (2, 3)), (layout, out, expected)
+        assert sorted(out["resumed"]) == [2] and out["resumed"][2] == expected["losses"][2], (layout, out, expected)
 
 
 # --- the snapshot itself (no training) -------------------------------------------------------------------
@@ -307,7 +305,7 @@ def test_async_save_true_is_refused_before_launch_where_it_cannot_be(tiny_corpus
     other_engine = config("checkpoint.async_save=true", "deepspeed.checkpoint={writer: {type: python}}")
     [problem] = async_save_problems(other_engine, 1, 1)
     assert problem.startswith("checkpoint.async_save is true but the deepspeed: section selects another DeepSpeed "
-                              "checkpoint engine (writer)")
+                              "checkpoint engine (checkpoint.writer)")
     assert "set checkpoint.async_save: false" in problem
 
     snapshot = memory_estimate(config(), 1, device="cpu").snapshot
