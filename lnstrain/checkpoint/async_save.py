@@ -283,22 +283,29 @@ class BackgroundWrite:
         self.write_seconds = 0.0
         """How long the thread took, once it is done."""
         self.foreground_files: list[str] = []
-        """Files written at once on the main thread: their snapshot did not fit in host memory."""
+        """Files written at once on the main thread, and why (no snapshot could be taken)."""
         self._jobs: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
         self._buffers = buffers
 
     def stage(self, state_dict: Any, path: str, write: Callable[[Any, str], None]) -> None:
-        """Queue ``write(copy of state_dict, path)``; write at once when the copy would not fit."""
+        """Queue ``write(copy of state_dict, path)``; write at once when the copy would not fit in the
+        host memory available, or cannot be made (the reason is logged)."""
         started = time.monotonic()
         needed = self.snapshot.new_bytes(state_dict)
         memory = host_memory() if needed else None
         if memory is not None and needed > memory[0] - MEMORY_RESERVE_FRACTION * memory[1]:
-            self.foreground_files.append(path)
+            self.foreground_files.append(f"{Path(path).name} (its snapshot does not fit in the host memory available)")
             write(state_dict, path)
             return
-        snapshot = self.snapshot.copy(state_dict)
-        self.snapshot_seconds += time.monotonic() - started
+        try:
+            snapshot = self.snapshot.copy(state_dict)
+        except (TypeError, MemoryError, RuntimeError) as error:  # an unknown tensor type, an allocation that failed
+            self.foreground_files.append(f"{Path(path).name} ({type(error).__name__}: {error})")
+            write(state_dict, path)
+            return
+        finally:
+            self.snapshot_seconds += time.monotonic() - started
         self._jobs.append(lambda: write(snapshot, path))
 
     def queue(self, job: Callable[[], None]) -> None:
@@ -306,9 +313,8 @@ class BackgroundWrite:
 
     def start(self) -> None:
         if self.foreground_files:
-            logger.warning("%s: %d file(s) written before training went on, their snapshot not fitting in the host "
-                           "memory available: %s", self.step_dir, len(self.foreground_files),
-                           ", ".join(Path(p).name for p in self.foreground_files))
+            logger.warning("%s: written before training went on, as a synchronous save would: %s", self.step_dir,
+                           "; ".join(self.foreground_files))
         self._thread = threading.Thread(target=self._run, name=f"lnstrain-save-{self.step_dir.name}", daemon=True)
         self._thread.start()
 

@@ -277,7 +277,8 @@ class CheckpointManager:
                     shutil.rmtree(step_dir)
         self._agree(held, step_dir)
         background = BackgroundWrite(step_dir, held, self._snapshot_buffers) if in_background else None
-        staging = staging_deepspeed_files(engine.checkpoint_files, background) if background else contextlib.nullcontext()
+        staging = (staging_deepspeed_files(engine.checkpoint_files, background) if background
+                   else contextlib.nullcontext())
         with recording_deepspeed_files(engine.checkpoint_files, step_dir, rank) as records, \
                 save_points.around_deepspeed_files(engine.checkpoint_files), staging, \
                 holding_deepspeed_failures(engine.checkpoint_files, held):

@@ -135,7 +135,8 @@ def format_plan(study: Study, planned: list[PlannedRun], speed: SpeedAssumption 
             r = p.row()
             per_node = r["snapshot_host_gib"] * min(p.gpus, cluster.gpus_per_node)
             layout = (f"{r['tensor']}×{r['pipeline']}×{r['data']} | {r['zero_stage']} | "
-                      f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f} | {per_node:.1f}")
+                      f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f} | "
+                      f"{per_node:.1f}")
         else:
             layout = "— | — | — | — | does not fit | —"
         lines.append(f"| {p.run.name} | {_short(p.parameters)} | {_short(p.non_embedding_parameters)} | "

@@ -199,7 +199,8 @@ def in_use_problems(config: Config) -> list[str]:
 
 
 def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
-                       unreadable_keys: tuple[str, ...] = (), rank: int = 0, local_ranks: int | None = None) -> list[str]:
+                       unreadable_keys: tuple[str, ...] = (), rank: int = 0,
+                       local_ranks: int | None = None) -> list[str]:
     """Every problem with the config, this machine, the files, the output directories and the resume checkpoint.
 
     Creates the run and checkpoint directories (proving they are writable), unless a key that

@@ -292,6 +292,24 @@ def test_a_host_snapshot_is_saved_as_the_original_and_does_not_change_with_it():
     assert HostSnapshot(buffers).new_bytes({"x": torch.zeros(12), "y": torch.zeros(5)}) == 5 * 4
 
 
+def test_a_state_dict_whose_snapshot_does_not_fit_is_written_at_once(tmp_path, monkeypatch):
+    from lnstrain.checkpoint import async_save
+    from lnstrain.checkpoint.save_agreement import HeldFailure
+
+    written = []
+    background = async_save.BackgroundWrite(tmp_path, HeldFailure(), SnapshotBuffers())
+    write = lambda state_dict, path: written.append((path, state_dict["w"].clone()))  # noqa: E731
+    small, large = {"w": torch.ones(4)}, {"w": torch.ones(1000)}
+    monkeypatch.setattr(async_save, "host_memory", lambda: (2000 + 100, 2000))  # 2000 bytes once 5% kept free
+    background.stage(small, "small.pt", write)
+    background.stage(large, "large.pt", write)  # 4000 bytes: written now, on this thread
+    assert [path for path, _ in written] == ["large.pt"] and background.foreground_files[0].startswith("large.pt")
+    small["w"].fill_(7)  # training goes on
+    background.start()
+    background.wait()
+    assert [path for path, _ in written] == ["large.pt", "small.pt"] and torch.equal(written[1][1], torch.ones(4))
+
+
 def test_async_save_true_is_refused_before_launch_where_it_cannot_be(tiny_corpus, tmp_path, monkeypatch, caplog):
     from lnstrain.checkpoint import async_save
     from lnstrain.estimate.memory import memory_estimate
