@@ -50,8 +50,8 @@ def sha256s(step_dir: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def background_write_held(step_name: str, at_hold=None, at_first_file_written=None):
     """Inside the block, the writer thread stops before the first file of ``step_name`` (after calling
-    ``at_hold()``) until the main thread waits for it; ``at_first_file_written()`` is called once that
-    file is written. Yields what it saw: the writer thread's name."""
+    ``at_hold()``) until the main thread waits for that save; ``at_first_file_written()`` is called
+    once that file is written. Yields what it saw: the writer thread's name."""
     from lnstrain.checkpoint import save_points
     from lnstrain.checkpoint.async_save import BackgroundWrite
 
@@ -72,7 +72,12 @@ def background_write_held(step_name: str, at_hold=None, at_first_file_written=No
             if at_first_file_written is not None:
                 at_first_file_written()
 
-    BackgroundWrite.wait = lambda self: (waiting.set(), wait(self))[1]
+    def wait_releasing_the_hold(self: BackgroundWrite) -> float:
+        if self.step_dir.name == step_name:  # not an earlier save's wait (the next save may wait for it)
+            waiting.set()
+        return wait(self)
+
+    BackgroundWrite.wait = wait_releasing_the_hold
     save_points.observer = observe
     try:
         yield seen
