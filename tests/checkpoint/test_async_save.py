@@ -6,8 +6,8 @@ writer thread) until training has moved past the snapshot, so every test below s
 really overlaps training: the files must still hold the state of the step saved, bit for bit what a
 synchronous save writes; a kill there (the directory copied at that moment: what SIGKILL leaves)
 must leave ``latest`` at the previous checkpoint, from which a resume reproduces the uninterrupted
-run; the next save, a signal's stop and the end of the run wait for the write; a write that fails
-stops every rank with a synchronous save's message.
+run; the next save, a Ctrl-C's stop (which then prints the resume command) and the end of the run
+wait for the write; a write that fails stops every rank with a synchronous save's message.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ import torch
 from lnstrain.checkpoint.async_save import HostSnapshot, SnapshotBuffers
 from lnstrain.checkpoint.integrity import read_marker
 from lnstrain.checkpoint.locations import newest_checkpoint, read_latest
-from lnstrain.checkpoint.metadata import CONFIG_FILE, is_complete
-from lnstrain.checkpoint.verifier import check_step_dir
+from lnstrain.checkpoint.metadata import CONFIG_FILE, is_complete, step_of
+from lnstrain.checkpoint.signing import read_signing_key
+from lnstrain.checkpoint.verifier import Trust, check_step_dir
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
 from lnstrain.training.outcome import EXIT_STOPPED
+from tests.checkpoint.tampering import make_key
 
 RUN = ["train.steps=5", "checkpoint.interval_steps=2", "train.eval_interval=0", "model.hidden_dropout=0.1"]
 HOLD_TIMEOUT_S = 120.0
@@ -99,13 +101,25 @@ def killed_while_training_goes_on(rank: int, world_size: int, corpus: TinyCorpus
     from lnstrain.estimate.memory import memory_estimate
     from lnstrain.training.trainer import Trainer, pretrain
 
+    signed = f"checkpoint.signing_key_file={root / 'keys' / 'signing.key'}"  # both runs sign their markers
+
     def config(name: str, *extra: str):
-        return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + RUN + list(extra), world_size)
+        overrides = tiny_run_overrides(corpus, root / name) + RUN + [signed, *extra]
+        return load_config(TINY_RUN_CONFIG, overrides, world_size)
 
     synchronous = pretrain(config("synchronous", "checkpoint.async_save=false"))
-    trainer = Trainer(config("background"))
+    trainer = Trainer(config("background", "train.eval_tasks=[probe]", "train.eval_tasks_interval=2"))
     checkpoints = root / "background" / "tiny" / "checkpoints"
     at_the_kill: dict = {}
+    evaluated: list[dict] = []
+
+    def evaluate(step_dir: str, step: int, tokens: int) -> None:  # what train.eval_tasks would read, and when
+        verdict = check_step_dir(Path(step_dir), trainer.checkpoints.trust)
+        evaluated.append({"step": step, "verified": verdict.ok and verdict.signature == "signed",
+                          "published": step_of(read_latest(checkpoints)) >= step,
+                          "steps trained": trainer.engine.global_step})
+
+    trainer.downstream.evaluate = evaluate
 
     def leave_what_a_kill_leaves() -> None:  # the snapshot was of step 4; training has moved on
         at_the_kill["steps trained"] = trainer.engine.global_step
@@ -125,12 +139,13 @@ def killed_while_training_goes_on(rank: int, world_size: int, corpus: TinyCorpus
     resumed = pretrain(config("killed"))
     estimate = memory_estimate(config("background"), world_size, device="cpu").snapshot
     return {"synchronous": synchronous, "background": background, "resumed": resumed, "at the kill": at_the_kill,
-            "writer thread": seen["thread"], "messages": messages.lines, "snapshot bytes": (
+            "writer thread": seen["thread"], "messages": messages.lines, "evaluated": evaluated, "snapshot bytes": (
                 trainer.checkpoints.snapshot_host_bytes, estimate)}
 
 
 def test_a_background_save_writes_what_a_synchronous_one_does_and_a_kill_during_it_loses_nothing(
         tiny_corpus, tmp_path):
+    trust = Trust(key=read_signing_key(make_key(tmp_path / "keys" / "signing.key")))
     [out] = run_distributed(killed_while_training_goes_on, 1, tiny_corpus, tmp_path, timeout_s=300)
     synchronous, background, resumed = out["synchronous"], out["background"], out["resumed"]
     assert out["writer thread"] == "lnstrain-save-global_step4"
@@ -142,7 +157,8 @@ def test_a_background_save_writes_what_a_synchronous_one_does_and_a_kill_during_
         written = tmp_path / "background" / "tiny" / "checkpoints" / f"global_step{step}"
         expected = tmp_path / "synchronous" / "tiny" / "checkpoints" / f"global_step{step}"
         assert sha256s(written) == sha256s(expected), step
-        assert check_step_dir(written).ok and not check_step_dir(written).corrupt  # tools/verify_checkpoint's check
+        verdict = check_step_dir(written, trust)  # the one verifier, as tools/verify_checkpoint.py --key runs it
+        assert verdict.ok and verdict.recorded and verdict.signature == "signed", (step, verdict)
     assert any("waited" in line and "global_step4: the run is finished" in line
                for line in out["messages"]), out["messages"]
 
@@ -155,27 +171,41 @@ def test_a_background_save_writes_what_a_synchronous_one_does_and_a_kill_during_
     for step, loss in resumed.losses.items():
         assert loss == synchronous.losses[step], step
 
+    # train.eval_tasks (every 2 steps, and the end) read each checkpoint only once it was published:
+    # step 4's write was held until the final save waited for it, after step 5 had trained
+    assert [(e["step"], e["verified"], e["published"]) for e in out["evaluated"]] == [
+        (2, True, True), (4, True, True), (5, True, True)], out["evaluated"]
+    assert out["evaluated"][1]["steps trained"] == 5
+
     held, estimated = out["snapshot bytes"]  # the host memory the dry run states
     assert abs(held - estimated) <= 0.05 * estimated, (held, estimated)
 
 
-def stopped_by_a_signal_during_a_write(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
-    from lnstrain.training.trainer import Trainer
+def stopped_by_ctrl_c_during_a_write(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
+    from tests.checkpoint.test_save_errors import _launcher_main
 
-    trainer = Trainer(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + RUN, world_size))
-    # SIGUSR1 while step 2's files are being written; the write goes on until the stop waits for it
-    with background_write_held("global_step2", at_hold=lambda: os.kill(os.getpid(), signal.SIGUSR1)):
-        result = trainer.train()
-    return {"result": result}
+    argv = ["--config", str(TINY_RUN_CONFIG)] + [part for o in tiny_run_overrides(corpus, root) + RUN
+                                                 for part in ("--set", o)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # Ctrl-C while step 2's files are being written; the write goes on until the stop waits for it
+    with background_write_held("global_step2", at_hold=lambda: os.kill(os.getpid(), signal.SIGINT)), \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):  # the launcher logs to stdout
+        code = _launcher_main()(argv)
+    return {"code": code, "log": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
-def test_a_signal_during_a_background_write_waits_for_it_and_saves_the_stop(tiny_corpus, tmp_path):
-    [out] = run_distributed(stopped_by_a_signal_during_a_write, 1, tiny_corpus, tmp_path, timeout_s=300)
-    result = out["result"]
+def test_ctrl_c_during_a_background_write_waits_for_it_saves_the_stop_and_says_how_to_resume(tiny_corpus, tmp_path):
+    """(SIGTERM and SIGUSR1 take the same path: ``StopController``, then a stop that waits.)"""
+    [out] = run_distributed(stopped_by_ctrl_c_during_a_write, 1, tiny_corpus, tmp_path, timeout_s=300)
     checkpoints = tmp_path / "tiny" / "checkpoints"
-    assert result.exit_code == EXIT_STOPPED and result.stop_reason == "received SIGUSR1"
-    stopped_at = result.position.step
-    assert stopped_at >= 3 and sorted(result.losses) == list(range(1, stopped_at + 1))
+    assert out["code"] == EXIT_STOPPED, out["stderr"][-3000:]
+    [line] = [line for line in out["stderr"].splitlines() if line.startswith("lnstrain: stopped to be resumed")]
+    stopped_at = int(line.split("after step ")[1].split()[0])
+    assert stopped_at >= 3 and "(received SIGINT)" in line and "; to continue, rerun: " in line, line
+    assert f"checkpoint {checkpoints / f'global_step{stopped_at}'}" in line, line
+    waited = f"for the background write of {checkpoints / 'global_step2'}: the run stops"
+    assert waited in out["log"], out["log"][-3000:]
+    assert out["log"].index(waited) < out["log"].index(f"saved checkpoint {checkpoints / f'global_step{stopped_at}'}")
     assert is_complete(checkpoints / "global_step2") and is_complete(checkpoints / f"global_step{stopped_at}")
     assert read_latest(checkpoints) == checkpoints / f"global_step{stopped_at}"
 
