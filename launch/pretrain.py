@@ -148,6 +148,11 @@ def configure_threads(local_world_size: int) -> None:
         torch.set_num_threads(cpu_threads_per_rank(local_world_size))
 
 
+def ranks_on_this_machine(world_size: int) -> int:
+    """The ranks on this machine, as torchrun (``LOCAL_WORLD_SIZE``) or DeepSpeed (``LOCAL_SIZE``) says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size)
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
@@ -227,7 +232,7 @@ def launch(argv: list[str] | None, rerun: str) -> int:
         from lnstrain.training.preflight import run_problems
 
         local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-        problems = run_problems(typed, world_size, local_rank, rank)
+        problems = run_problems(typed, world_size, local_rank, rank, ranks_on_this_machine(world_size))
     except ConfigError as error:
         fail_on_every_rank(error.problems, args.config, rank, world_size)
     if problems:
@@ -235,8 +240,7 @@ def launch(argv: list[str] | None, rerun: str) -> int:
     config = typed.value
 
     logger.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
-    local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
-    configure_threads(int(local_ranks))
+    configure_threads(ranks_on_this_machine(world_size))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.checkpoint.errors import CheckpointError
     from lnstrain.checkpoint.write_errors import CheckpointWriteError

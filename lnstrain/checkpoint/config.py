@@ -46,6 +46,14 @@ class CheckpointConfig:
             extra read of the checkpoint before loading it). ``false`` checks sizes and the pickle
             scan only: for very large checkpoints on a slow file system, at the price of loading a
             file whose bytes changed but not its size.
+        async_save: write checkpoints in the background: a save copies the state to host memory at
+            the step boundary and training goes on while a thread writes, hashes and fsyncs the files;
+            the checkpoint becomes ``latest`` at a later step boundary, once every rank's files are
+            written (docs/checkpoints.md, "Saves in the background"). Unset (the default): on, unless
+            the ``deepspeed:`` section selects another DeepSpeed checkpoint engine, which saves
+            synchronously with a warning; a snapshot that does not fit in host memory is written at
+            once instead, with a warning. ``true``: on, and a run where it cannot be stops before it
+            starts (exit 2). ``false``: every save blocks training until its files are written.
     """
 
     dir: str | None = None
@@ -62,6 +70,7 @@ class CheckpointConfig:
     allow_unverified: bool = False
     signing_key_file: str | None = None
     verify_checksums: bool = True
+    async_save: bool | None = None
 
     def validate(self) -> list[str]:
         problems = []

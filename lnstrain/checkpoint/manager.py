@@ -5,7 +5,9 @@ saved); every rank writes its DeepSpeed shards and its RNG file, hashing them as
 rank 0 writes the metadata; every rank fsyncs; gathering every rank's file records proves all ranks
 are done; only then rank 0 writes the completion marker (with those records) and replaces ``latest``
 atomically. Until that last rename, ``latest`` names the previous checkpoint, which is untouched, so
-an interrupted save costs only the interrupted step's work.
+an interrupted save costs only the interrupted step's work. With ``checkpoint.async_save`` the files
+are written by a thread from a snapshot taken at the step boundary, and the same publication happens
+at a later step boundary, on the main thread (``lnstrain.checkpoint.async_save``).
 
 A load first verifies the checkpoint's files against their records, each rank a share
 (``verified_checkpoint``), falling back to the newest older checkpoint that verifies, and then reads
@@ -14,6 +16,7 @@ every file with ``weights_only`` (``lnstrain.checkpoint.safe_load``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -25,12 +28,13 @@ import torch.distributed as dist
 
 import lnstrain
 from lnstrain.checkpoint import save_points
+from lnstrain.checkpoint.async_save import BackgroundWrite, SnapshotBuffers, staging_deepspeed_files
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.finite_state import nonfinite_state
 from lnstrain.checkpoint.integrity import FileRecord, file_record, recording_deepspeed_files, write_marker
 from lnstrain.checkpoint.locations import complete_step_dirs, newest_checkpoint, read_latest, remove_links
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, METADATA_FILE, CheckpointMetadata,
-                                          fsync_tree, is_complete, load_rng_state, read_metadata,
+                                          capture_rng_state, fsync_tree, is_complete, load_rng_state, read_metadata,
                                           restore_rng_state, rng_file, save_rng_state, step_dir_name, step_of,
                                           write_atomically)
 from lnstrain.checkpoint.safe_load import loading_safely
@@ -117,6 +121,15 @@ class TrainingPosition:
                    [list(r) for r in metadata.skipped_sample_ranges], metadata.nonfinite_steps, metadata.loss_spikes, metadata.skipped_batches)
 
 
+@dataclass(frozen=True)
+class OwnFiles:
+    """What lnstrain writes into a checkpoint beside DeepSpeed's files, as it was at the step boundary."""
+
+    rng_state: dict[str, Any]
+    metadata: str
+    config: str
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -169,6 +182,16 @@ class CheckpointManager:
         """The opt-ins and signing key every load verifies with; the key also signs every save."""
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
+        self.slowest_save_s = 0.0
+        """The longest a save took from its start to its publication, the time training spent in it or not."""
+        self.in_flight: BackgroundWrite | None = None
+        """The save whose files a thread is writing (at most one), published at a later step boundary."""
+        self._snapshot_buffers = SnapshotBuffers()
+
+    @property
+    def snapshot_host_bytes(self) -> int:
+        """Host memory this rank keeps for the snapshots of saves written in the background."""
+        return self._snapshot_buffers.held_bytes
 
     def metadata(self, position: TrainingPosition) -> CheckpointMetadata:
         tp, pp, dp = self.layout
@@ -181,11 +204,16 @@ class CheckpointManager:
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
             skipped_batches=position.skipped_batches)
 
-    def save(self, engine: TrainingEngine, position: TrainingPosition) -> Path | None:
+    def save(self, engine: TrainingEngine, position: TrainingPosition, in_background: bool = False) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
 
         Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
+        ``in_background`` (``checkpoint.async_save``): return once the state is snapshotted; a thread
+        writes the files, and ``publish_if_written`` or ``finish_background_save`` publishes them at a
+        later step boundary. A save still in flight is finished first: at most one is.
         """
+        self.finish_background_save(f"the save of step {position.step} waits for it (saves come faster than "
+                                    "they are written)", warn=True)
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
@@ -206,13 +234,60 @@ class CheckpointManager:
                     save_points.reached("stale step directory marked incomplete", step_dir)
                     shutil.rmtree(step_dir)
         self._agree(held, step_dir)
+        background = BackgroundWrite(step_dir, held, self._snapshot_buffers) if in_background else None
+        staging = (staging_deepspeed_files(engine.checkpoint_files, background) if background
+                   else contextlib.nullcontext())
         with recording_deepspeed_files(engine.checkpoint_files, step_dir, rank) as records, \
-                save_points.around_deepspeed_files(engine.checkpoint_files), \
+                save_points.around_deepspeed_files(engine.checkpoint_files), staging, \
                 holding_deepspeed_failures(engine.checkpoint_files, held):
             engine.save_checkpoint(step_dir, client_state={CLIENT_STATE_KEY: vars(position)})
-        if held.error is None:
-            with held.catching():
-                self._write_own_files(step_dir, rank, position, records)
+        own_files = OwnFiles(capture_rng_state(), self.metadata(position).to_json(), self.config.to_yaml())
+        if background is not None:  # published by publish_if_written or finish_background_save
+            background.start(records, lambda: self._write_own_files(step_dir, rank, own_files, records),
+                             blocking_seconds=time.monotonic() - started)
+            self.in_flight = background
+        else:
+            if held.error is None:
+                with held.catching():
+                    self._write_own_files(step_dir, rank, own_files, records)
+            self._publish(held, step_dir, records)
+            seconds = time.monotonic() - started
+            self.slowest_save_s = max(self.slowest_save_s, seconds)
+            logger.info("saved checkpoint %s in %.1f s", step_dir, seconds)
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = position.step
+        return step_dir
+
+    def publish_if_written(self) -> Path | None:
+        """Publish the save in flight if every rank's thread has written its files; the checkpoint
+        published, else None. Collective: every rank calls it at the same step boundary."""
+        if self.in_flight is None or not all(_gather(self.in_flight.done)):
+            return None
+        return self.finish_background_save()
+
+    def finish_background_save(self, why: str = "", warn: bool = False) -> Path | None:
+        """Wait for the save in flight (the wait is logged with its length and ``why``) and publish it;
+        the checkpoint published, or None when none was in flight. A write that failed on any rank
+        raises here, on every rank, as a synchronous save does. Collective."""
+        background, self.in_flight = self.in_flight, None
+        if background is None:
+            return None
+        if not background.done:
+            waited = background.wait()
+            (logger.warning if warn else logger.info)("waited %.1f s for the background write of %s%s", waited,
+                                                      background.step_dir, f": {why}" if why else "")
+        publishing = time.monotonic()
+        self._publish(background.held, background.step_dir, background.records)
+        seconds = background.blocking_seconds + background.write_seconds + time.monotonic() - publishing
+        self.slowest_save_s = max(self.slowest_save_s, seconds)
+        logger.info("saved checkpoint %s: training blocked %.1f s, the files took %.1f s in the background",
+                    background.step_dir, background.blocking_seconds, background.write_seconds)
+        return background.step_dir
+
+    def _publish(self, held: HeldFailure, step_dir: Path, records: dict[str, FileRecord]) -> None:
+        """Every rank's files are written: gather their records (which proves it), then rank 0 writes
+        the completion marker and ``latest`` and applies retention. Collective."""
+        rank = _global_rank()
         every_file: dict[str, FileRecord] = {}
         for rank_records in self._agree(held, step_dir, records):  # also proves every rank's files are written
             every_file.update(rank_records)
@@ -225,20 +300,15 @@ class CheckpointManager:
                     logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
                                 self.config.checkpoint.keep_last)
         self._agree(held, step_dir)
-        self.last_save_time = time.monotonic()
-        self.last_saved_step = position.step
-        logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
-        return step_dir
 
-    def _write_own_files(self, step_dir: Path, rank: int, position: TrainingPosition,
-                         records: dict[str, FileRecord]) -> None:
+    def _write_own_files(self, step_dir: Path, rank: int, own: OwnFiles, records: dict[str, FileRecord]) -> None:
         """This rank's RNG file (rank 0: metadata and config), recorded; then every file fsynced."""
-        save_rng_state(step_dir, rank)
+        save_rng_state(step_dir, rank, own.rng_state)
         save_points.reached("RNG state written", step_dir)
         own_files = [rng_file(step_dir, rank)]
         if rank == 0:
-            write_atomically(step_dir / METADATA_FILE, self.metadata(position).to_json())
-            write_atomically(step_dir / CONFIG_FILE, self.config.to_yaml())
+            write_atomically(step_dir / METADATA_FILE, own.metadata)
+            write_atomically(step_dir / CONFIG_FILE, own.config)
             own_files += [step_dir / METADATA_FILE, step_dir / CONFIG_FILE]
         for path in own_files:  # small: read back
             records[path.relative_to(step_dir).as_posix()] = file_record(path, rank)

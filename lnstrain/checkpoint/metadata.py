@@ -229,10 +229,11 @@ def rng_file(step_dir: str | os.PathLike, rank: int) -> Path:
     return Path(step_dir) / RNG_DIR / f"rank_{rank:05d}.pt"
 
 
-def save_rng_state(step_dir: str | os.PathLike, rank: int) -> None:
+def save_rng_state(step_dir: str | os.PathLike, rank: int, state: dict[str, Any] | None = None) -> None:
+    """Write ``state`` (default: this process's RNG states now, ``capture_rng_state``) as rank ``rank``'s."""
     path = rng_file(step_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(capture_rng_state(), path)
+    torch.save(capture_rng_state() if state is None else state, path)
 
 
 def load_rng_state(step_dir: str | os.PathLike, rank: int) -> dict[str, Any] | None:

@@ -92,9 +92,11 @@ class WandbSink(MetricSink):
         continue_run: continue the run directory's W&B run when it has one (a resumed trainer, a
             tool); False starts a new one (a trainer starting at step 0).
         skip_logged_steps: never log a step twice: not the steps up to the record's
-            ``logged_through_step`` (a resumed trainer's replay), nor, after a rollback, a step below
-            the highest this process logged, nor a tag again at that highest step (other tags at it
-            are fine: training scalars, then the evaluation); False logs every call.
+            ``logged_through_step`` (a resumed trainer's replay), nor, after a rollback, a tag at a
+            step at or below the highest step this process logged that tag at. A tag's first row
+            below the highest step logged is kept: the downstream evaluation of a checkpoint written
+            in the background (``checkpoint.async_save``) arrives after later training steps. False
+            logs every call.
         config: the resolved run config, stored as the W&B run's config.
     """
 
@@ -111,7 +113,8 @@ class WandbSink(MetricSink):
                            "is not continued", record["id"], self.run_dir / WANDB_RUN_FILE)
             record = None
         self.record = record or {"id": new_run_id(), "logged_through_step": -1, "next_row": 0}
-        self.lowest_step = self.record["logged_through_step"] + 1 if skip_logged_steps else None
+        self.replayed_through = self.record["logged_through_step"] if skip_logged_steps else None
+        """Steps up to this one are in the W&B run already (a resumed trainer replays them)."""
         directory = None if os.environ.get("WANDB_DIR") else str(self.run_dir)
         mode = os.environ.get("WANDB_MODE") or settings.mode  # W&B's own switch wins, as it does for W&B
         self.run = wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_name,
@@ -126,19 +129,17 @@ class WandbSink(MetricSink):
         logger.info("W&B run %s (%s, project %s)%s", self.record["id"], mode, settings.project,
                     " continued" if record else "")
         self._skipped: list[int] = []
-        self._tags_at_lowest: set[str] = set()
-        """The tags already logged at ``lowest_step`` by this process: the same tag again is a replay."""
+        self._highest_step_of_tag: dict[str, int] = {}
+        """The highest step this process logged each tag at: the tag at that step or below is a replay."""
 
     def _send(self, row: dict[str, Any], step: int) -> None:
-        if self.lowest_step is not None:
+        if self.replayed_through is not None:
             tags = set(row) - {TOKENS_FIELD}
-            if step < self.lowest_step or (step == self.lowest_step and not self._tags_at_lowest.isdisjoint(tags)):
+            if step <= self.replayed_through or any(self._highest_step_of_tag.get(tag, -1) >= step for tag in tags):
                 if not self._skipped or self._skipped[-1] != step:
                     self._skipped.append(step)
                 return
-            if step > self.lowest_step:
-                self.lowest_step, self._tags_at_lowest = step, set()
-            self._tags_at_lowest.update(tags)
+            self._highest_step_of_tag.update(dict.fromkeys(tags, step))
         number = self.record["next_row"]
         self.record["next_row"] = number + 1
         self.record["logged_through_step"] = max(self.record["logged_through_step"], step)

@@ -102,7 +102,8 @@ class TrainConfig:
         eval_batches: global batches per evaluation.
         eval_tasks: lm-evaluation-harness tasks (lm-eval's names, e.g. ``[hellaswag, arc_easy]``) rank 0
             runs on checkpoints during training (``pip install 'lnstrain[eval]'``): on those saved at
-            multiples of ``eval_tasks_interval`` and on the final one, through the Hugging Face export
+            multiples of ``eval_tasks_interval`` and on the final one, each once its save is published
+            (with ``checkpoint.async_save``, at a later step boundary), through the Hugging Face export
             in memory, as ``tools/evaluate.py`` does. The other ranks wait at their next collective, so
             one evaluation must take less than ``collective_timeout_minutes`` (``eval_tasks_limit``).
         eval_tasks_interval: evaluate ``eval_tasks`` on the checkpoint of every step that is a multiple

@@ -181,6 +181,29 @@ def checkpoint_space_problems(config: Config) -> list[str]:
             f"set {key} to a larger file system"]
 
 
+def async_save_problems(config: Config, world_size: int, local_ranks: int, report: bool = True) -> list[str]:
+    """``checkpoint.async_save: true`` where checkpoints cannot be written in the background (another
+    DeepSpeed checkpoint engine), or where this machine's ranks' snapshots would not fit in its host
+    memory. Unset, the same findings are logged (``report``) and the run goes on: saves then block."""
+    import torch
+
+    from lnstrain.checkpoint.async_save import background_save_refusal, host_memory, snapshot_shortfall
+
+    if config.checkpoint.async_save is False:
+        return []
+    refusal = background_save_refusal(config) or snapshot_shortfall(config, world_size, local_ranks,
+                                                                      torch.cuda.is_available(), host_memory())
+    if refusal is None:
+        return []
+    if config.checkpoint.async_save:
+        return [f"checkpoint.async_save is true but {refusal}; set checkpoint.async_save: false (every save then "
+                "blocks training until its files are written), or leave it unset to save in the background where "
+                "the snapshot fits"]
+    if report:
+        logger.warning("checkpoints will block training while they are written: %s (checkpoint.async_save)", refusal)
+    return []
+
+
 def file_problems(config: Config) -> list[str]:
     """The token files open and fit the vocabularies; ``checkpoint.init_from`` names loadable weights."""
     from lnstrain.checkpoint.init_from_checks import init_from_problems
@@ -240,7 +263,8 @@ def in_use_problems(config: Config) -> list[str]:
 
 
 def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
-                       unreadable_keys: tuple[str, ...] = (), rank: int = 0) -> list[str]:
+                       unreadable_keys: tuple[str, ...] = (), rank: int = 0,
+                       local_ranks: int | None = None) -> list[str]:
     """Every problem with the config, this machine, the files, the output directories and the resume checkpoint.
 
     Creates the run and checkpoint directories (proving they are writable), unless a key that
@@ -248,7 +272,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     their defaults; problems that name them are left out). Only global rank 0 looks for another
     trainer on the run directory: rank 0 of this launch may already hold it while another rank is
     still checking (nothing makes every rank finish its checks first), and must not be taken for another
-    trainer.
+    trainer. ``local_ranks``: the ranks on this machine (default: all of them), whose checkpoint
+    snapshots share its host memory.
     """
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
 
@@ -256,6 +281,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     if not problems:  # DeepSpeed's own parser needs a consistent layout (it divides by it)
         problems += deepspeed_config_problems(config, world_size)
     problems += device_problems(config, local_rank)
+    if not problems:  # the estimate needs a consistent layout
+        problems += async_save_problems(config, world_size, local_ranks or world_size, report=local_rank == 0)
     problems += tokenizer_problems(config)
     problems += file_problems(config)
     problems += wandb_problems(config.logging.wandb)
@@ -279,9 +306,10 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     return [problem for problem in problems if not unreadable.about_unreadable_keys(problem)]
 
 
-def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0, rank: int = 0) -> list[str]:
+def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0, rank: int = 0,
+                 local_ranks: int | None = None) -> list[str]:
     """``read_config``'s typing problems and, when the config could be built, every preflight problem."""
     if typed.value is None:
         return list(typed.problems)
     return typed.problems + preflight_problems(typed.value, world_size, local_rank, tuple(typed.unreadable_keys),
-                                               rank)
+                                               rank, local_ranks)

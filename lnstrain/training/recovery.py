@@ -95,6 +95,7 @@ class NonFiniteRecovery:
     def roll_back(self, position: TrainingPosition) -> RecoveryDecision | None:
         """Reload the newest checkpoint whose files verify and never train on the batch that just
         failed; None when there is no checkpoint to go back to."""
+        self.checkpoints.finish_background_save("rolling back")  # the newest checkpoint may be in flight
         step_dir = newest_checkpoint(self.config.checkpoint_dir)
         if step_dir is not None:
             step_dir, _ = self.checkpoints.verified_checkpoint(step_dir, fall_back=True)

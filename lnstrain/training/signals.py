@@ -56,7 +56,8 @@ class StopController:
 
     Args:
         exit_after_minutes: stop (and save) before this much time has passed since ``started``; the
-            margin is the slowest step plus the slowest save seen so far.
+            margin is the slowest step plus the slowest save seen so far (twice while a save is being
+            written in the background: the stop waits for it, then saves).
         save_interval_minutes: ask for a save when this much time passed since ``last_save_time``.
         device: where the flags live for the all-reduce (the accelerator with NCCL).
         started: ``clock()`` when the clock of ``exit_after_minutes`` started (default: now).
@@ -101,12 +102,14 @@ class StopController:
         if self.received is None:
             self.received = signum  # only a flag: the loop acts on it between steps
 
-    def poll(self, last_step_s: float, last_save_time: float) -> LoopDecision:
-        """Collective: every rank calls it after each step and gets the same decision."""
+    def poll(self, last_step_s: float, last_save_time: float, save_in_flight: bool = False) -> LoopDecision:
+        """Collective: every rank calls it after each step and gets the same decision.
+        ``save_in_flight``: a save's files are being written in the background (the same on every rank)."""
         now = self.clock()
         self.slowest_step_s = max(self.slowest_step_s, last_step_s)
+        saves_s = self.slowest_save_s * (2 if save_in_flight else 1)
         out_of_time = (self.deadline_s is not None and
-                       now - self.started + self.slowest_step_s + self.slowest_save_s >= self.deadline_s)
+                       now - self.started + self.slowest_step_s + saves_s >= self.deadline_s)
         save_due = self.save_interval_s is not None and now - last_save_time >= self.save_interval_s
         flags = torch.tensor([self.received is not None, out_of_time, save_due], dtype=torch.int32,
                              device=self.device)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lnstrain.checkpoint.async_save import background_save_refusal
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.locations import newest_checkpoint
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
@@ -122,6 +123,7 @@ class Trainer:
         self.engine = build_engine(config, self.groups)
         self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
                                              data_fingerprint(config.data), tokenizer_checksum(config))
+        self.saves_in_background = self._saves_in_background()
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0)
         self.downstream = CheckpointEvaluator(config, self.rank, self.engine.device, self.metrics)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
@@ -153,18 +155,47 @@ class Trainer:
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
                         self.groups.dp_rank, self.groups.dp_size, vocab_size=self.config.model.vocab_size)
 
-    def _save(self, position: TrainingPosition, stop: StopController, final: bool = False,
-              stopping: bool = False) -> str | None:
-        """The checkpoint written (and, when due and the run is not stopping, evaluated on
-        ``train.eval_tasks``), or None when the state was not finite and nothing was saved."""
-        started = time.monotonic()
-        path = self.checkpoints.save(self.engine, position)
-        stop.record_save(time.monotonic() - started)
-        if path is None:
-            return None
-        if not stopping and self.downstream.due(position.step, final):
-            self.downstream.evaluate(str(path), position.step, position.tokens_seen)
-        return str(path)
+    def _saves_in_background(self) -> bool:
+        """``checkpoint.async_save``, resolved from the config alone, so every rank decides alike (the
+        pre-launch check refuses ``true`` where it cannot be)."""
+        if self.config.checkpoint.async_save is False:
+            return False
+        refusal = background_save_refusal(self.config)
+        if refusal is not None:
+            logger.warning("checkpoints are written synchronously, training waiting for each: %s", refusal)
+        return refusal is None
+
+    def _save(self, position: TrainingPosition, stop: StopController, final: bool = False, stops: bool = False,
+              urgent: bool = False) -> str | None:
+        """The checkpoint written, or None when the state was not finite and nothing was saved.
+
+        Written in the background (``checkpoint.async_save``) unless the run ends after it (``final``:
+        training is done; ``stops``: it stops early), when waiting for it costs nothing: then it is
+        published when this returns, as is every save before it. ``train.eval_tasks`` evaluate it when
+        due, once it is published (``_evaluate_published``), unless the stop is ``urgent`` (a signal,
+        the time limit, non-finite state).
+        """
+        ending = final or stops
+        if ending:  # the wait is the stop's, not that of saves coming faster than they are written
+            self.checkpoints.finish_background_save("the run is finished" if final else "the run stops")
+        path = self.checkpoints.save(self.engine, position, in_background=self.saves_in_background and not ending)
+        stop.record_save(self.checkpoints.slowest_save_s)
+        if path is not None:
+            self.downstream.saved(path, position.step, position.tokens_seen, final)
+        self._evaluate_published(urgent)
+        return str(path) if path is not None else None
+
+    def _finish_save(self, stop: StopController, why: str) -> None:
+        """Wait for the save written in the background, if any, and publish it (collective)."""
+        self.checkpoints.finish_background_save(why)
+        stop.record_save(self.checkpoints.slowest_save_s)
+        self._evaluate_published()
+
+    def _evaluate_published(self, urgent: bool = False) -> None:
+        """``train.eval_tasks`` on the checkpoints due for them whose saves are published (the one still
+        written in the background waits); skipped, and said so, when the run stops ``urgent``ly."""
+        in_flight = self.checkpoints.in_flight
+        self.downstream.evaluate_published(in_flight.step_dir if in_flight is not None else None, skip=urgent)
 
     def _last_good_checkpoint(self) -> str | None:
         """The checkpoint a resume would load now, verified (collective: every rank calls it)."""
@@ -293,22 +324,27 @@ class Trainer:
                     position = result.position
                     continue
                 if verdict.stop:
-                    result.last_checkpoint = self._save(position, stop, stopping=True) or self._last_good_checkpoint()
+                    result.last_checkpoint = (self._save(position, stop, stops=True, urgent=True)
+                                              or self._last_good_checkpoint())
                     result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
                     return result
                 finished = position.step == self.total_steps
+                if self.checkpoints.publish_if_written() is not None:  # the files of a save done in the background
+                    stop.record_save(self.checkpoints.slowest_save_s)
+                self._evaluate_published()  # also a save published by a rollback
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
-                decision = stop.poll(seconds, self.checkpoints.last_save_time)
+                decision = stop.poll(seconds, self.checkpoints.last_save_time,
+                                     save_in_flight=self.checkpoints.in_flight is not None)
                 urgent = decision.stop  # a signal or the time limit: no downstream evaluation before stopping
                 if stop_at_step is not None and position.step >= stop_at_step:
                     decision.stop, decision.reason = True, f"reached stop_at_step {stop_at_step}"
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
-                    saved = self._save(position, stop, stopping=urgent)
+                    saved = self._save(position, stop, stops=decision.stop, urgent=urgent)
                     if saved is None:
                         return self._stop_not_finite(position, result)
                     result.last_checkpoint = saved
@@ -325,6 +361,7 @@ class Trainer:
                 if saved is None:
                     return self._stop_not_finite(position, result)
                 result.last_checkpoint = saved
+            self._finish_save(stop, "the run is finished")  # before the marker of a finished run
             self._write_final_metrics(result)
             return result
         finally:
