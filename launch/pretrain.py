@@ -78,9 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def tell(message: str) -> None:
+    """Write one message for the user to stderr in a single write: the DeepSpeed launcher runs ranks with
+    ``python -u``, where ``print`` writes the text and its newline separately and another process's line
+    on the same terminal or pipe can land between them."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
 def fail(problems: list[str], source: str) -> None:
     lines = "\n".join(f"  - {problem}" for problem in problems)
-    print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
+    tell(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}")
     sys.exit(EXIT_BAD_CONFIG)
 
 
@@ -184,9 +192,9 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     except RuntimeError as error:  # torch's DistNetworkError
         if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
             raise
-        print(f"lnstrain: the rendezvous port {address} (MASTER_PORT) is already in use, probably by another "
-              "job; pass a free one to the launcher: deepspeed --master_port PORT ... (torchrun: --master-port "
-              "PORT)", file=sys.stderr)
+        tell(f"lnstrain: the rendezvous port {address} (MASTER_PORT) is already in use, probably by another "
+             "job; pass a free one to the launcher: deepspeed --master_port PORT ... (torchrun: --master-port "
+             "PORT)")
         sys.exit(EXIT_BAD_CONFIG)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -200,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv, rerun)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"\nlnstrain: interrupted (Ctrl-C) outside the training loop, so no trained step was lost; to "
-                  f"continue, rerun: {rerun}", file=sys.stderr)
+            tell(f"\nlnstrain: interrupted (Ctrl-C) outside the training loop, so no trained step was lost; to "
+                 f"continue, rerun: {rerun}")
         return EXIT_INTERRUPTED
 
 
@@ -253,29 +261,28 @@ def launch(argv: list[str] | None, rerun: str) -> int:
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
         if rank == 0 or not error.agreed:  # an agreed failure: every rank holds the same message
-            print(f"lnstrain: {error}", file=sys.stderr)
+            tell(f"lnstrain: {error}")
         return EXIT_SAVE_FAILED
     except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
         logger.debug("the refusal", exc_info=True)
         if rank == 0 or not error.agreed:  # an agreed refusal: every rank holds the same message
-            print(f"lnstrain: {error}", file=sys.stderr)
+            tell(f"lnstrain: {error}")
         sys.exit(EXIT_BAD_CONFIG)
     except TokenIdError as error:  # a token file changed under the run: its rank stops, the launcher stops the rest
-        print(f"lnstrain: rank {rank}: {error}", file=sys.stderr)
+        tell(f"lnstrain: rank {rank}: {error}")
         return EXIT_FAILED
     except RunDirectoryInUse as error:  # another trainer runs on this run directory: every rank stops
         if rank == 0:
-            print(f"lnstrain: nothing was started: {error}", file=sys.stderr)
+            tell(f"lnstrain: nothing was started: {error}")
         sys.exit(EXIT_BAD_CONFIG)
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
         logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / TENSORBOARD_DIR)
     if result.exit_code == EXIT_STOPPED and rank == 0:
-        print(f"lnstrain: stopped to be resumed after step {result.position.step} of {config.total_steps} "
-              f"({result.stop_reason}){f'; checkpoint {result.last_checkpoint}' if result.last_checkpoint else ''}; "
-              f"to continue, rerun: {rerun}",
-              file=sys.stderr, flush=True)
+        tell(f"lnstrain: stopped to be resumed after step {result.position.step} of {config.total_steps} "
+             f"({result.stop_reason}){f'; checkpoint {result.last_checkpoint}' if result.last_checkpoint else ''}; "
+             f"to continue, rerun: {rerun}")
     import torch.distributed as dist
 
     if dist.is_initialized():
