@@ -11,13 +11,24 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "lnstrain" / "__init__.p
 EXTRAS = {
     # Reading .jsonl.zst corpora.
     "zstd": ["zstandard>=0.21"],
+    # Reading Parquet corpora (FineWeb, SlimPajama, most of the Hub) and datasets' save_to_disk directories.
+    "parquet": ["pyarrow>=14"],
     # PNG plots in depth-analysis and scaling-study reports.
     "plots": ["matplotlib>=3.7"],
     # Hugging Face export/import (safetensors shards), the transformers baseline benchmark, and
     # tools/analyze_depth.py --hf (accelerate: transformers' device_map for models larger than one device).
     "hf": ["safetensors>=0.4", "transformers>=4.40", "accelerate>=0.26"],
-    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM.
-    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40"],
+    # tools/evaluate.py and train.eval_tasks: EleutherAI's lm-evaluation-harness with its Hugging Face
+    # model wrapper (accelerate, peft). Tested on lm_eval 0.4.13; TaskManager(include_defaults=...) needs 0.4.5.
+    "eval": ["lm_eval[hf]>=0.4.5,<0.5"],
+    # logging.wandb: Weights & Biases tracking. Tested on wandb 0.31.
+    "wandb": ["wandb>=0.17,<1"],
+    # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM;
+    # datasets writes the save_to_disk directory the Parquet/Arrow tests read (with pyarrow, not datasets);
+    # lm_eval scores the shipped local task against transformers (tests/evaluation), wandb's offline run
+    # files are read back by the tracking tests.
+    "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40",
+             "accelerate>=0.26", "pyarrow>=14", "datasets>=2.14", "lm_eval[hf]>=0.4.5,<0.5", "wandb>=0.17,<1"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

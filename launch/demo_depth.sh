@@ -42,6 +42,7 @@ if [[ "$WORK" != demo_workdir ]]; then  # configs/demo_depth.yaml names demo_wor
 fi
 ANALYSES=()
 NAMES=()
+CONFIGURATIONS=()  # a scheme's seeds are seeds of one configuration in the claim verdicts
 for scheme in pre_ln lns; do
     for seed in "${SEEDS[@]}"; do
         run=demo_depth_$scheme
@@ -59,9 +60,19 @@ for scheme in pre_ln lns; do
             { cat "$OUT/depth_$name.log"; exit 1; }
         ANALYSES+=("$OUT/depth_$name")
         NAMES+=("$name")
+        CONFIGURATIONS+=("$scheme")
     done
 done
 
 echo "== comparing the runs layer by layer, and checking the paper's claims on them"
-"$PYTHON" tools/analyze_depth.py --compare "${ANALYSES[@]}" --names "${NAMES[@]}" --output "$OUT/depth_compare"
+"$PYTHON" tools/analyze_depth.py --compare "${ANALYSES[@]}" --names "${NAMES[@]}" --groups "${CONFIGURATIONS[@]}" \
+    --output "$OUT/depth_compare"
+cat <<'END'
+== what to expect at this size: the LNS paper reports that LNS curbs the variance growth, lowers the
+   loss and makes the deep layers matter more (its Fig. 4: a 130M-parameter LLaMA). lnstrain's own
+   study of these 16-layer, width-64 models (up to 7.4M tokens) measured the first two, but found
+   LNS's deep layers matter LESS than Pre-LN's when pruned, at every length; the verdicts above
+   should say the same. Why, and the figures: docs/depth_analysis.md, section "Where the pruning
+   claim turns: the depth study", its Results.
+END
 echo "== done: $OUT/depth_compare/report.md (TensorBoard: tensorboard --logdir $OUT/runs)"

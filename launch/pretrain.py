@@ -1,20 +1,23 @@
 #!/usr/bin/env python
 """Pretrain a LLaMA-family model from one YAML run description.
 
-    deepspeed launch/pretrain.py --config configs/7b_lns.yaml            # all local GPUs (or CPU ranks)
-    deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
-    python launch/pretrain.py --config configs/demo.yaml --set train.steps=50
+    python launch/pretrain.py --config configs/demo.yaml --set train.steps=50      # one process
+    deepspeed --log_level warning --master_port 29600 launch/pretrain.py --config configs/7b_lns.yaml
+    deepspeed --log_level warning --master_port 29600 --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
     python launch/pretrain.py --config configs/7b_lns.yaml --dry-run --world-size 16   # estimate only
 
+(--master_port: the launcher's default port, 29500, is often taken on a shared machine; --log_level
+warning: without the launcher's informational lines.)
 Everything that can be checked without process groups (the config, the data and tokenizer files,
 the output directories, the checkpoint to resume from) is checked first, and every problem is
 reported together with exit code 2; so is a checkpoint that cannot be resumed safely (a file
 whose pickle would run code, no checkpoint whose files verify). A save that cannot write (no space,
 no permission, on any rank) stops every rank with exit 1 and one message naming the rank, the path
-and the free space. SIGTERM or SIGUSR1 (or train.exit_after_minutes) make every rank save after the
-same step and exit 75. Rerunning a finished run says so and changes nothing.
+and the free space. SIGTERM, SIGUSR1, a first Ctrl-C (or train.exit_after_minutes) make every rank
+save after the same step and exit 75, with a line naming the command that resumes; a second Ctrl-C
+stops at once (exit 130). Rerunning a finished run says so and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
-be resumed (the same command continues); see lnstrain/training/outcome.py.
+be resumed (the same command continues), 130 interrupted; see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
 libraries' informational messages.
 """
@@ -36,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402  (no torch: fast)
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
-from lnstrain.training.outcome import EXIT_BAD_CONFIG, EXIT_FINISHED, finished_step  # noqa: E402
+from lnstrain.training.outcome import (  # noqa: E402
+    EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED, finished_step)
+from lnstrain.training.rerun_command import resume_command  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
@@ -47,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="run description (YAML)")
     add_override_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the memory and throughput estimate and exit without starting anything")
+                        help="print the memory and throughput estimate and exit without starting anything (missing "
+                             "data files are noted in it; other config problems stop it, exit 2)")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="with --dry-run: the number of ranks to estimate for (default: $WORLD_SIZE when a "
                              "launcher sets it, else parallel.tensor x parallel.pipeline, one data-parallel replica)")
@@ -58,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the checkpoint to resume from is trusted: fully unpickle its files that hold more than "
                              "tensors and DeepSpeed's known records, which can run code stored in them (same as "
                              "--set checkpoint.allow_pickle=true); without it such a file stops the launch")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="resume a checkpoint whose files cannot be verified: saved by an lnstrain before checksums, "
+                             "or, with checkpoint.signing_key_file, unsigned (same as --set "
+                             "checkpoint.allow_unverified=true); a damaged or forged checkpoint is never used")
     parser.add_argument("--stop-at-step", type=int, default=None, metavar="N",
                         help="save after step N and exit 75, as a signal would (a staged run: the same command "
                              "without it continues); a run already at step N or later exits 75 at once")
@@ -68,9 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def tell(message: str) -> None:
+    """Write one message for the user to stderr in a single write: the DeepSpeed launcher runs ranks with
+    ``python -u``, where ``print`` writes the text and its newline separately and another process's line
+    on the same terminal or pipe can land between them."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
 def fail(problems: list[str], source: str) -> None:
     lines = "\n".join(f"  - {problem}" for problem in problems)
-    print(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}", file=sys.stderr)
+    tell(f"lnstrain: {len(problems)} problem(s) in {source}; nothing was started:\n{lines}")
     sys.exit(EXIT_BAD_CONFIG)
 
 
@@ -138,6 +156,11 @@ def configure_threads(local_world_size: int) -> None:
         torch.set_num_threads(cpu_threads_per_rank(local_world_size))
 
 
+def ranks_on_this_machine(world_size: int) -> int:
+    """The ranks on this machine, as torchrun (``LOCAL_WORLD_SIZE``) or DeepSpeed (``LOCAL_SIZE``) says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size)
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
@@ -169,20 +192,34 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
     except RuntimeError as error:  # torch's DistNetworkError
         if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
             raise
-        print(f"lnstrain: the rendezvous port {address} (MASTER_PORT) is already in use, probably by another "
-              "job; pass a free one to the launcher: deepspeed --master_port PORT ... (torchrun: --master-port "
-              "PORT)", file=sys.stderr)
+        tell(f"lnstrain: the rendezvous port {address} (MASTER_PORT) is already in use, probably by another "
+             "job; pass a free one to the launcher: deepspeed --master_port PORT ... (torchrun: --master-port "
+             "PORT)")
         sys.exit(EXIT_BAD_CONFIG)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``launch`` and turn a Ctrl-C outside the training loop (which handles its own) into one
+    line from rank 0 and exit 130, instead of a traceback on every rank."""
+    rerun = resume_command(sys.argv if argv is None else [sys.argv[0], *argv])  # before the environment changes
+    try:
+        return launch(argv, rerun)
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            tell(f"\nlnstrain: interrupted (Ctrl-C) outside the training loop, so no trained step was lost; to "
+                 f"continue, rerun: {rerun}")
+        return EXIT_INTERRUPTED
+
+
+def launch(argv: list[str] | None, rerun: str) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     overrides += ["checkpoint.allow_pickle=true"] if args.allow_pickle else []
+    overrides += ["checkpoint.allow_unverified=true"] if args.allow_unverified else []
     if args.dry_run:
         try:
             dry_run(args, overrides, world_size)
@@ -203,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         from lnstrain.training.preflight import run_problems
 
         local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-        problems = run_problems(typed, world_size, local_rank, rank)
+        problems = run_problems(typed, world_size, local_rank, rank, ranks_on_this_machine(world_size))
     except ConfigError as error:
         fail_on_every_rank(error.problems, args.config, rank, world_size)
     if problems:
@@ -211,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     config = typed.value
 
     logger.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
-    local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size  # torchrun, DeepSpeed
-    configure_threads(int(local_ranks))
+    configure_threads(ranks_on_this_machine(world_size))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.checkpoint.errors import CheckpointError
     from lnstrain.checkpoint.write_errors import CheckpointWriteError
+    from lnstrain.data.token_check import TokenIdError
     from lnstrain.training.run_lock import RunDirectoryInUse
     from lnstrain.training.trainer import pretrain
 
@@ -224,19 +261,28 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointWriteError as error:  # says where, why, the free space and what to do: no traceback
         logger.debug("the failed save", exc_info=True)
         if rank == 0 or not error.agreed:  # an agreed failure: every rank holds the same message
-            print(f"lnstrain: {error}", file=sys.stderr)
+            tell(f"lnstrain: {error}")
         return EXIT_SAVE_FAILED
     except CheckpointError as error:  # no checkpoint to resume verifies, or one is unsafe: every rank agrees
-        print(f"lnstrain: {error}", file=sys.stderr)
+        logger.debug("the refusal", exc_info=True)
+        if rank == 0 or not error.agreed:  # an agreed refusal: every rank holds the same message
+            tell(f"lnstrain: {error}")
         sys.exit(EXIT_BAD_CONFIG)
+    except TokenIdError as error:  # a token file changed under the run: its rank stops, the launcher stops the rest
+        tell(f"lnstrain: rank {rank}: {error}")
+        return EXIT_FAILED
     except RunDirectoryInUse as error:  # another trainer runs on this run directory: every rank stops
         if rank == 0:
-            print(f"lnstrain: nothing was started: {error}", file=sys.stderr)
+            tell(f"lnstrain: nothing was started: {error}")
         sys.exit(EXIT_BAD_CONFIG)
     logger.info("done (%s) at step %d, %d tokens seen%s", result.stop_reason, result.position.step,
                 result.position.tokens_seen, f"; last checkpoint {result.last_checkpoint}" if result.last_checkpoint else "")
     if config.logging.tensorboard:
         logger.info("TensorBoard: tensorboard --logdir %s", config.run.dir / TENSORBOARD_DIR)
+    if result.exit_code == EXIT_STOPPED and rank == 0:
+        tell(f"lnstrain: stopped to be resumed after step {result.position.step} of {config.total_steps} "
+             f"({result.stop_reason}){f'; checkpoint {result.last_checkpoint}' if result.last_checkpoint else ''}; "
+             f"to continue, rerun: {rerun}")
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -267,8 +267,9 @@ def checkpoint_file_io(engine: DeepSpeedEngine) -> CheckpointFileIO:
     return engine.checkpoint_engine
 
 
-def load_checkpoint_files(engine: DeepSpeedEngine, checkpoint_dir: str, tag: str) -> bool:
-    """``engine.load_checkpoint`` of weights, optimizer and schedule; False when nothing was found.
+def load_checkpoint_files(engine: DeepSpeedEngine, checkpoint_dir: str, tag: str) -> dict[str, Any] | None:
+    """``engine.load_checkpoint`` of weights, optimizer and schedule: the ``client_state`` the save
+    stored, or None when nothing was found.
 
     DeepSpeed 0.19's ``BF16_Optimizer`` at ZeRO 0 (bf16 with pipeline stages) saves its state (fp32
     masters, Adam moments) in per-rank partition files but, with ZeRO off, reads it back from the
@@ -279,11 +280,12 @@ def load_checkpoint_files(engine: DeepSpeedEngine, checkpoint_dir: str, tag: str
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     in_partition_files = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
-    load_path, _ = engine.load_checkpoint(checkpoint_dir, tag=tag, load_optimizer_states=not in_partition_files,
-                                          load_lr_scheduler_states=True)
+    load_path, client_state = engine.load_checkpoint(checkpoint_dir, tag=tag,
+                                                     load_optimizer_states=not in_partition_files,
+                                                     load_lr_scheduler_states=True)
     if load_path is not None and in_partition_files:
         engine._load_zero_checkpoint(checkpoint_dir, tag, load_optimizer_states=True)
-    return load_path is not None
+    return None if load_path is None else dict(client_state or {})
 
 
 def restore_step_counters(engine: DeepSpeedEngine, counters: Mapping[str, int]) -> None:

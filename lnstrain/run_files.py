@@ -9,6 +9,11 @@
                             the scalar ``eval/loss`` at the last step
     final_metrics.json      {"step", "tokens", "eval_loss", "eval_ppl"}, written last by rank 0 when
                             the run finishes: naming the last step, it marks the run finished
+    downstream/step<N>.json lm-evaluation-harness results of checkpoint N (``train.eval_tasks`` or
+                            ``tools/evaluate.py``; lnstrain/evaluation/results.py)
+    wandb_run.json          the run's W&B run id, its last logged step and next row, when
+                            ``logging.wandb`` is on (lnstrain/tracking/wandb_sink.py)
+    wandb/                  W&B's own files (offline runs to ``wandb sync``), unless WANDB_DIR is set
     .lnstrain.lock          rank 0's flock while a trainer runs: a second trainer stops (exit 2);
                             also in ``checkpoint.dir`` when that lies elsewhere (training/run_lock.py)
 
@@ -38,6 +43,9 @@ LATEST_FILE = "latest"
 TENSORBOARD_DIR = "tensorboard"
 EVAL_LOSS_TAG = "eval/loss"
 FINAL_METRICS_FILE = "final_metrics.json"
+DOWNSTREAM_DIR = "downstream"
+WANDB_RUN_FILE = "wandb_run.json"
+WANDB_DIR = "wandb"
 RUN_LOCK_FILE = ".lnstrain.lock"
 
 STUDY_CONFIG_FILE = "study_config.yaml"
@@ -48,6 +56,11 @@ SLURM_JOBS_LOG = "slurm_jobs.log"
 SLURM_OUTPUT = "slurm-%j.out"
 """sbatch's ``--output`` pattern: SLURM puts the job id for ``%j``."""
 HOSTFILE_PREFIX = "hostfile."
+
+
+def downstream_file(run_dir: str | Path, step: int) -> Path:
+    """Where the downstream evaluation of the run's checkpoint at ``step`` is written."""
+    return Path(run_dir) / DOWNSTREAM_DIR / f"step{step}.json"
 
 
 class FinalMetrics(TypedDict):

@@ -33,5 +33,9 @@ def test_depth_demo_prints_and_reports_the_claim_verdicts(tmp_path):
     report = (compare / "report.md").read_text()
     assert "## The paper's claims, checked" in report and "| `lns_deep_layers_matter_more` |" in report
     assert "2 seeds" in output and "report: " in output
+    expect = " ".join(output.split("== what to expect at this size:")[-1].split())  # paper's claim, study's figure
+    assert "makes the deep layers matter more" in expect and "matter LESS than Pre-LN's" in expect
+    section = "Where the pruning claim turns: the depth study"
+    assert section in expect and f"## {section}" in (REPO / "docs" / "depth_analysis.md").read_text()
     # the two seeds are different runs: different initial weights and data order
     assert runs[0]["baseline"]["loss"] != runs[1]["baseline"]["loss"]

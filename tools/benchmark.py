@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile this many more steps of the first runner (torch.profiler) "
                              "and report the operators/kernels by self time")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="stop taking timed steps (keeping at least 3 per runner) and skip the profile when "
+                             "the next round would end past this many seconds after the start; the report says "
+                             "how many steps it timed")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON here (rank 0)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -101,6 +105,8 @@ def check_options(args: argparse.Namespace, config: Config, world_size: int) -> 
     problems, _missing_data = split_file_problems(config, world_size)
     if args.warmup < 0 or args.steps < 1:
         problems.append(f"--warmup must be >= 0 and --steps >= 1 (got {args.warmup}, {args.steps})")
+    if args.time_limit_s is not None and args.time_limit_s <= 0:
+        problems.append(f"--time-limit-s must be > 0 (got {args.time_limit_s})")
     if args.profile_steps < 0:
         problems.append(f"--profile-steps must be >= 0 (got {args.profile_steps})")
     if args.threads is not None and args.threads < 1:
@@ -139,15 +145,26 @@ def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torc
     return HFRunner(spec.name, spec.config, device, batches)
 
 
-def time_interleaved(runners: list[StepRunner], steps: int) -> dict[str, list]:
+MIN_TIMED_STEPS = 3
+"""Timed steps per runner that ``--time-limit-s`` never cuts below."""
+
+
+def time_interleaved(runners: list[StepRunner], steps: int, deadline: float | None = None) -> dict[str, list]:
     """Per-runner wall and process-CPU seconds per step, phase splits and last loss; the runners
     alternate order every step. CPU seconds (all threads of this process) do not count time spent
-    waiting for a core, so on a shared CPU they compare runners when wall time cannot."""
+    waiting for a core, so on a shared CPU they compare runners when wall time cannot. With a
+    ``deadline`` (``time.monotonic()``), no round starts that the previous round's length says would
+    end past it, once ``MIN_TIMED_STEPS`` rounds are done (every rank decides alike: the slowest rank's
+    round length is what each sees, since the ranks wait for each other in every step)."""
     wall: list[list[float]] = [[] for _ in runners]
     cpu: list[list[float]] = [[] for _ in runners]
     phases: list[list[dict]] = [[] for _ in runners]
     losses = [float("nan")] * len(runners)
+    last_round = 0.0
     for step in range(steps):
+        if deadline is not None and step >= MIN_TIMED_STEPS and _past(time.monotonic() + last_round, deadline):
+            break
+        round_start = time.monotonic()
         order = list(enumerate(runners))
         for index, runner in (order if step % 2 == 0 else reversed(order)):
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -156,7 +173,18 @@ def time_interleaved(runners: list[StepRunner], steps: int) -> dict[str, list]:
             cpu[index].append(time.process_time() - start_cpu)
             if runner.last_phases is not None:
                 phases[index].append(runner.last_phases)
+        last_round = time.monotonic() - round_start
     return {"wall": wall, "cpu": cpu, "phases": phases, "losses": losses}
+
+
+def _past(moment: float, deadline: float) -> bool:
+    """Whether ``moment`` is past ``deadline`` on any rank (one decision for all ranks)."""
+    past = moment > deadline
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(past)], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        past = bool(flag.item())
+    return past
 
 
 def slowest_rank(seconds: list[list[float]]) -> list[list[float]]:
@@ -175,7 +203,9 @@ def median_phases(phases: list[dict]) -> dict[str, float] | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    started = time.monotonic()
     args = parse_args(argv)
+    deadline = None if args.time_limit_s is None else started + args.time_limit_s
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -209,9 +239,16 @@ def main(argv: list[str] | None = None) -> dict:
             memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device, tracker),
                                    warmup_steps=args.warmup)
         runners.append((spec, runner))
-    timed = time_interleaved([runner for _, runner in runners], args.steps)
+    timed = time_interleaved([runner for _, runner in runners], args.steps, deadline)
     seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]
-    profiled = profile_steps(runners[0][1].step, args.profile_steps, device) if args.profile_steps else None
+    timed_steps = len(seconds[0]) if seconds else 0
+    if timed_steps < args.steps:
+        notes.append(f"--time-limit-s {args.time_limit_s:g}: timed {timed_steps} of {args.steps} steps per runner")
+    profile_fits = deadline is None or not _past(time.monotonic() + 2 * max(max(s) for s in seconds), deadline)
+    if args.profile_steps and not profile_fits:
+        notes.append(f"--time-limit-s {args.time_limit_s:g}: no time left for --profile-steps {args.profile_steps}")
+    profiled = (profile_steps(runners[0][1].step, args.profile_steps, device)
+                if args.profile_steps and profile_fits else None)
     on_cpu = device.type == "cpu"
 
     flops = flops_per_token(config.model, config.data.seq_len)
@@ -236,10 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
         "schema": SCHEMA,
         "command": shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]),
         "environment": environment(device, world_size),
-        "shape": shape(config, world_size),
+        "shape": shape(config, world_size, device.type),
         "flops": flops_section(flops),
         "peak": {"tflops": peak.tflops, "dtype": "bf16 dense", "source": peak.source},
-        "protocol": {"warmup_steps": args.warmup, "timed_steps": args.steps, "order": "interleaved, alternating",
+        "protocol": {"warmup_steps": args.warmup, "timed_steps": timed_steps, "requested_steps": args.steps,
+                     "order": "interleaved, alternating",
                      "data": "fixed synthetic batch", "step_time": "slowest rank per step"},
         "runners": results,
         "comparisons": comparisons,

@@ -1,18 +1,36 @@
 #!/usr/bin/env python
 """What lnstrain's checkpoint checks cost: a save with them against DeepSpeed's plain save, and a
-resume's verification of every file.
+resume's verification of every file, each also as a fraction of DeepSpeed's plain save; with
+--background, what a save costs the training loop, synchronous against written in the background
+(``checkpoint.async_save``), in one run.
 
     python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --dir /tmp/checkpoint_bench
+    python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --set precision.dtype=fp32 --dir /tmp/b
+    python tools/benchmark_checkpoint.py --config configs/130m_lns.yaml --set precision.dtype=fp32 \
+        --dir /tmp/checkpoint_bench --background --repeats 3
 
 One rank builds the config's model and DeepSpeed engine, takes one optimizer step on random tokens
 (so the Adam moments exist), then alternates --repeats times: DeepSpeed's own save_checkpoint plus
 an fsync (what a save costs without lnstrain's checks), and lnstrain's CheckpointManager.save (the
 finiteness check, SHA-256 of every file as it is written, the RNG/metadata files, fsync, the
-completion marker). It also times the finiteness check alone and the resume's verification of the
-saved files (size and SHA-256 of each, the pickle scan) twice: right after the save (page cache
-warm) and after asking the kernel to drop the files' cached pages (posix_fadvise DONTNEED: a cold
-read, as after a restart on another node). Prints the medians of wall-clock and process CPU time
-(all threads; the steadier of the two on a shared machine). Files are deleted after each save.
+completion marker, signed with a throw-away key). It also times the finiteness check alone, SHA-256
+of the saved files alone, the pre-launch check's quick verification (marker, listing, sizes,
+metadata) and the resume's full verification (size and SHA-256 of each file, the pickle scan) twice:
+right after the save (page cache warm) and after asking the kernel to drop the files' cached pages
+(posix_fadvise DONTNEED: a cold read, as after a restart on another node). Prints the medians of
+wall-clock and process CPU time (all threads; the steadier of the two on a shared machine), and
+each as a fraction of DeepSpeed's save. Files are deleted after each save.
+
+With --background each repeat takes --steps plain steps (the normal step time), a synchronous save
+(the time it blocks is all of it), then a save in the background (the time it blocks: the finiteness
+check, DeepSpeed's save_checkpoint with the host snapshot, the RNG states) followed by steps until
+its files are published at a step boundary (the step time while the write runs). It prints medians
+and the two ratios, blocking time background / synchronous and step time during the write / normal,
+both from the same run, and (Linux) the CPU time of the training's own threads per step, normal and
+during the write (every thread but the writer's: steadier than wall-clock time on a shared machine,
+and it still shows what the write costs the training through memory bandwidth and caches).
+--torch-dcp adds torch.distributed.checkpoint.async_save of the engine's model and optimizer state
+dicts (another file format; for comparison only).
 """
 from __future__ import annotations
 
@@ -38,6 +56,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_override_argument(parser)
     parser.add_argument("--dir", required=True, help="where to write the checkpoints (emptied of them afterwards)")
     parser.add_argument("--repeats", type=int, default=3, help="saves of each kind")
+    parser.add_argument("--background", action="store_true",
+                        help="time saves in the background against synchronous ones, with training steps between")
+    parser.add_argument("--steps", type=int, default=3, help="with --background: plain steps timed per repeat")
+    parser.add_argument("--writer-niceness", type=int, default=None,
+                        help="with --background: the background writer's nice value (default: lnstrain's, "
+                             "lnstrain.checkpoint.async_save.WRITER_NICENESS)")
+    parser.add_argument("--torch-dcp", action="store_true",
+                        help="with --background: also time torch.distributed.checkpoint.async_save")
     return parser.parse_args(argv)
 
 
@@ -49,6 +75,22 @@ def drop_cached_pages(directory: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def threads_cpu_seconds(thread_ids: list[int]) -> float:
+    """CPU seconds (user + system) these threads of this process have used (Linux; 0 elsewhere)."""
+    ticks = 0
+    for thread_id in thread_ids:
+        try:
+            fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def timed(action) -> tuple[float, float]:
@@ -69,21 +111,34 @@ def main(argv: list[str] | None = None) -> int:
     init_deepspeed_comm("gloo")
     from lnstrain.benchmark.runners import synthetic_micro_batches
     from lnstrain.checkpoint.finite_state import nonfinite_state
-    from lnstrain.checkpoint.integrity import check_step_dir
+    from lnstrain.checkpoint.integrity import file_record
     from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
     from lnstrain.checkpoint.metadata import fsync_tree
+    from lnstrain.checkpoint.signing import read_signing_key
+    from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir
     from lnstrain.config.run_config import load_config
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine
 
     directory = Path(args.dir)
-    overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null"]
+    key_file = directory.parent / f".{directory.name}-benchmark.key"  # outside the checkpoint directory
+    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(descriptor, os.urandom(32).hex().encode())
+    os.close(descriptor)
+    overrides = list(args.overrides) + SHORT_STEP + [f"checkpoint.dir={directory}", "checkpoint.keep_last=null",
+                                                     f"checkpoint.signing_key_file={key_file}"]
     config = load_config(args.config, overrides, 1, validate=False)
     engine = build_engine(config, ParallelGroups.build(1, 1))
     engine.train_step(synthetic_micro_batches(config, engine.accumulation_steps, seed=0))
     manager = CheckpointManager(config, (1, 1, 1), None, None)
+    if args.background:
+        try:
+            return background_saves(args, config, engine, manager)  # signed, as the other saves
+        finally:
+            key_file.unlink()
 
-    plain, checked, finite, warm, cold, sizes = [], [], [], [], [], []
+    trust = Trust(key=read_signing_key(key_file))
+    plain, checked, finite, hashing, quick, warm, cold, sizes = [], [], [], [], [], [], [], []
     for repeat in range(args.repeats):
         plain_dir = directory / f"plain{repeat}"
 
@@ -96,25 +151,118 @@ def main(argv: list[str] | None = None) -> int:
         checked.append(timed(lambda: manager.save(engine, TrainingPosition(step=repeat + 1))))
         step_dir = directory / f"global_step{repeat + 1}"
         finite.append(timed(lambda: nonfinite_state(engine)))
-        warm.append(timed(lambda: check_step_dir(step_dir)))
+        files = [p for p in step_dir.rglob("*") if p.is_file()]
+        hashing.append(timed(lambda: [file_record(p, 0) for p in files]))
+        quick.append(timed(lambda: check_step_dir(step_dir, trust, depth=QUICK)))
+        warm.append(timed(lambda: check_step_dir(step_dir, trust)))
         drop_cached_pages(step_dir)
-        cold.append(timed(lambda: check_step_dir(step_dir)))
+        cold.append(timed(lambda: check_step_dir(step_dir, trust)))
         sizes.append(sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file()))
         shutil.rmtree(step_dir)
 
+    key_file.unlink()
     parameters = sum(p.numel() for p in engine.module.parameters())
     gib = statistics.median(sizes) / 2**30
     rows = [("DeepSpeed save + fsync", plain), ("lnstrain save (all checks)", checked),
-            ("  finiteness check alone", finite), ("resume verification, warm", warm),
+            ("  finiteness check alone", finite), ("SHA-256 of the files alone", hashing),
+            ("pre-launch check (quick)", quick), ("resume verification, warm", warm),
             ("resume verification, cold", cold)]
-    print(f"{args.config}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
+    print(f"{args.config} {' '.join(args.overrides)}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
           f"ZeRO-{config.parallel.zero_stage}, 1 rank; checkpoint {gib:.2f} GiB; medians of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}")
+    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}{'wall/DS save':>14}{'CPU/DS save':>13}")
+    base_wall, base_cpu = (statistics.median(v[i] for v in plain) for i in (0, 1))
     for label, values in rows:
         wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
-        rate = f"   {gib / wall:.2f} GiB/s" if label.startswith("resume") else ""
-        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{rate}")
+        rate = f"   {gib / wall:.2f} GiB/s" if label.startswith(("resume", "SHA")) else ""
+        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{wall / base_wall:14.2f}{cpu / base_cpu:13.2f}{rate}")
+    return 0
+
+
+def background_saves(args: argparse.Namespace, config, engine, manager) -> int:
+    """--background: the time saves block training, synchronous and in the background, and the step
+    time while a background write runs."""
+    import torch
+
+    from lnstrain.benchmark.runners import synthetic_micro_batches
+    from lnstrain.checkpoint import async_save
+    from lnstrain.checkpoint.manager import TrainingPosition
+
+    if args.writer_niceness is not None:
+        async_save.WRITER_NICENESS = args.writer_niceness
+    directory = Path(args.dir)
+    seeds = iter(range(1, 10**9))
+    training_threads: list[int] = []
+    cpu: dict[str, list[float]] = {"normal": [], "during": [], "dcp": []}
+
+    def step(phase: str = "normal") -> float:
+        batch = synthetic_micro_batches(config, engine.accumulation_steps, seed=next(seeds))
+        cpu_started, started = threads_cpu_seconds(training_threads), time.perf_counter()
+        engine.train_step(batch)
+        cpu[phase].append(threads_cpu_seconds(training_threads) - cpu_started)
+        return time.perf_counter() - started
+
+    step()  # warm-up beyond the first step: torch's and DeepSpeed's threads exist now, no writer's yet
+    if os.path.isdir("/proc/self/task"):
+        training_threads += [int(name) for name in os.listdir("/proc/self/task")]
+    cpu["normal"].clear()
+
+    normal, sync_block, async_block, snapshot, during, writes, steps_per_write = [], [], [], [], [], [], []
+    dcp_block, dcp_during, dcp_total = [], [], []
+    position = TrainingPosition()
+    for _ in range(args.repeats):
+        normal += [step() for _ in range(args.steps)]
+        position.step += 1
+        sync_block.append(timed(lambda: manager.save(engine, position))[0])
+        shutil.rmtree(directory / f"global_step{position.step}")
+
+        position.step += 1
+        async_block.append(timed(lambda: manager.save(engine, position, in_background=True))[0])
+        in_flight = manager.in_flight
+        snapshot.append(in_flight.snapshot_seconds)
+        count = 0
+        while manager.publish_if_written() is None:
+            during.append(step("during"))
+            count += 1
+        writes.append(in_flight.write_seconds)
+        steps_per_write.append(count)
+        shutil.rmtree(directory / f"global_step{position.step}")
+
+        if args.torch_dcp:
+            import torch.distributed.checkpoint as dcp
+
+            target = directory / "torch_dcp"
+            state = {"model": engine.module.state_dict(), "optimizer": engine.base_optimizer.state_dict()}
+            started = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(target))
+            dcp_block.append(time.perf_counter() - started)
+            while not future.done():
+                dcp_during.append(step("dcp"))
+            future.result()
+            dcp_total.append(time.perf_counter() - started)
+            shutil.rmtree(target)
+
+    parameters = sum(p.numel() for p in engine.module.parameters())
+    print(f"{args.config} {' '.join(args.overrides)}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
+          f"ZeRO-{config.parallel.zero_stage}, 1 rank, {torch.get_num_threads()} torch threads; host snapshot "
+          f"{manager.snapshot_host_bytes / 2**30:.2f} GiB; medians of {args.repeats}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; writer nice {async_save.WRITER_NICENESS}")
+    rows = [("normal step", normal), ("synchronous save, blocks", sync_block),
+            ("background save, blocks", async_block), ("  of which the host snapshot", snapshot),
+            ("  its write, in the background", writes), ("step during the write", during)]
+    if args.torch_dcp:
+        rows += [("torch DCP async_save, blocks", dcp_block), ("  until written", dcp_total),
+                 ("  step during its write", dcp_during)]
+    for label, seconds in rows:
+        print(f"  {label:<32}{median(seconds):8.2f} s")
+    print(f"  blocking, background / synchronous: {median(async_block) / median(sync_block):.1%}")
+    print(f"  step during the write / normal step: {median(during) / median(normal):.2f}x "
+          f"({median(steps_per_write):.0f} steps per background write; normal steps {min(normal):.2f}-"
+          f"{max(normal):.2f} s)")
+    if training_threads:
+        print(f"  training threads' CPU per step, during the write / normal: "
+              f"{median(cpu['during']):.2f} / {median(cpu['normal']):.2f} s = "
+              f"{median(cpu['during']) / median(cpu['normal']):.2f}x")
     return 0
 
 

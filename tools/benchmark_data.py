@@ -6,7 +6,9 @@
 
 1. Preprocessing: tokens per CPU-second of sentencepiece's encode in a bare loop vs the pipeline per worker
    (1 worker in process doing everything; 2..N spawned workers, whose own CPU time is measured), plus wall-clock
-   throughput, on the demo corpus repeated to --corpus-mb.
+   throughput, on the demo corpus repeated to --corpus-mb, as .jsonl, as Parquet (row groups of 1,000 rows,
+   snappy, as FineWeb's shards) and as an Arrow stream file (what datasets' save_to_disk writes; needs pyarrow).
+   For the spawned runs, the main process's CPU time per MB (reading and writing) says how many workers it feeds.
 2. Packed-sample index for --index-tokens tokens in --index-docs documents (one core, vectorised numpy).
 3. Batch loader: tokens/s delivered by iterate_micro_batches in one process.
 
@@ -56,6 +58,21 @@ def prepare(work: str, corpus_mb: float, vocab: int, tokenizer: str | None) -> t
     return corpus, tokenizer, docs * copies
 
 
+def write_tables(work: str, docs: list[str]) -> dict[str, str]:
+    """The documents as a Parquet file and as an Arrow IPC stream (batches of 1,000 rows each, like datasets)."""
+    import pyarrow as pa
+    import pyarrow.compute  # noqa: F401  (imported here, so that no timed run pays for pyarrow's imports)
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    paths = {"parquet": os.path.join(work, "corpus.parquet"), "arrow": os.path.join(work, "data-00000-of-00001.arrow")}
+    pq.write_table(table, paths["parquet"], row_group_size=1000, compression="snappy")
+    with pa.OSFile(paths["arrow"], "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=1000):
+            writer.write_batch(batch)
+    return paths
+
+
 def _timed(fn):
     """(result, wall seconds, CPU seconds of this process): CPU time is robust on a shared machine."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -66,8 +83,8 @@ def _timed(fn):
 def bench_preprocess(work: str, corpus: str, tokenizer: str, docs: list[str], max_workers: int) -> None:
     tok = Tokenizer(tokenizer)
     sp = tok.sp
-    n, wall, cpu = _timed(lambda: sum(len(sp.EncodeAsIds(d)) for d in docs))
-    bare = n / cpu
+    n, wall, cpu_bare = _timed(lambda: sum(len(sp.EncodeAsIds(d)) for d in docs))
+    bare = n / cpu_bare
     n_b, wall_b, cpu_b = _timed(lambda: sum(len(x) for i in range(0, len(docs), 2048)
                                             for x in sp.Encode(docs[i:i + 2048], num_threads=1)))
     mb = os.path.getsize(corpus) / 1e6
@@ -75,18 +92,48 @@ def bench_preprocess(work: str, corpus: str, tokenizer: str, docs: list[str], ma
     print(f"  sentencepiece bare loop, EncodeAsIds per doc: {bare:11,.0f} tokens/CPU-s ({n / wall:,.0f} tokens/s wall)")
     print(f"  sentencepiece batched Encode, 1 thread:       {n_b / cpu_b:11,.0f} tokens/CPU-s "
           f"({n_b / wall_b:,.0f} tokens/s wall)")
-    for workers in range(1, max_workers + 1):
-        stats, wall, cpu = _timed(lambda: preprocess(PreprocessConfig(
-            inputs=[corpus], tokenizer=tokenizer, workers=workers, output_prefix=os.path.join(work, f"tok_w{workers}"))))
-        if workers == 1:  # everything (read, decode, tokenize, write) in this one process
-            per_worker = stats.tokens / cpu
-            label = "1 worker, in process (read+JSON+encode+write)"
-        else:
-            per_worker = stats.tokens / stats.encode_cpu_seconds
-            label = f"{workers} spawned workers (JSON+encode+pack)    "
-        print(f"  pipeline, {label}: {per_worker:11,.0f} tokens/CPU-s per worker = {per_worker / bare:4.2f}x bare loop;"
-              f" wall: {stats.tokens / stats.seconds:11,.0f} tokens/s, {stats.bytes_read / 1e6 / stats.seconds:5.2f} MB/s,"
-              f" {stats.documents / stats.seconds:7,.0f} docs/s")
+    inputs = {"jsonl": corpus}
+    try:
+        inputs.update(write_tables(work, docs))
+    except ImportError:
+        print("  (pyarrow is not installed: Parquet and Arrow inputs not measured)")
+    for fmt, path in inputs.items():
+        decode = "JSON" if fmt == "jsonl" else "to str"
+        for workers in range(1, max_workers + 1):
+            stats, wall, cpu = _timed(lambda: preprocess(PreprocessConfig(
+                inputs=[path], tokenizer=tokenizer, workers=workers,
+                output_prefix=os.path.join(work, f"tok_{fmt}_w{workers}"))))
+            if workers == 1:  # everything (read, decode, tokenize, write) in this one process
+                per_worker = stats.tokens / cpu
+                label = f"1 worker, in process (read+{decode}+encode+write)"
+                main = ""
+            else:
+                per_worker = stats.tokens / stats.encode_cpu_seconds
+                label = f"{workers} spawned workers ({decode}+encode+pack)"
+                main = f"; main process {stats.bytes_read / 1e6 / cpu:5.1f} MB/CPU-s"
+            print(f"  {fmt:7s} {label:46s}: {per_worker:11,.0f} tokens/CPU-s per worker = {per_worker / bare:4.2f}x "
+                  f"bare loop; wall: {stats.tokens / stats.seconds:11,.0f} tokens/s, "
+                  f"{stats.bytes_read / 1e6 / stats.seconds:5.2f} MB/s{main}")
+    text_mb = sum(len(d.encode()) for d in docs) / 1e6
+    rates = [f"tokenizing (bare loop) {text_mb / cpu_bare:,.1f}"]
+    for fmt, path in inputs.items():
+        _, _, cpu_read = _timed(lambda: sum(1 for _ in _texts(fmt, path)))
+        rates.append(f"{fmt} read + decode to str {text_mb / cpu_read:,.0f}")
+    print(f"  MB of text per CPU-s, one process: {'; '.join(rates)}")
+
+
+def _texts(fmt: str, path: str):
+    """The documents of ``path`` as Python strings, as the pipeline reads and decodes them (no tokenizing)."""
+    from lnstrain.data.arrow_corpus import column_texts, iter_text_batches
+    from lnstrain.data.corpus_readers import SkipCounts, iter_records, record_texts
+
+    skips = SkipCounts()
+    if fmt == "jsonl":
+        for record in iter_records(path):
+            yield record_texts(record, "jsonl", ["text"], skips)[0]
+        return
+    for first_row, batch, _ in iter_text_batches(path, ["text"], 2048, 1 << 20):
+        yield from column_texts(batch, ["text"], skips, path, first_row)[0]
 
 
 def bench_index(num_docs: int, num_tokens: float, seq_lens: list[int]) -> None:
@@ -137,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_preprocess(work, corpus, tokenizer, docs, args.max_workers)
         if not args.skip_index:
             bench_index(args.index_docs, args.index_tokens, args.seq_lens)
-        bench_loader(work, os.path.join(work, "tok_w1"), tokenizer)
+        bench_loader(work, os.path.join(work, "tok_jsonl_w1"), tokenizer)
     return 0
 
 

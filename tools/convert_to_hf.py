@@ -9,6 +9,11 @@ transformers' LlamaForCausalLM computes the same logits; config.json records the
 "lnstrain"), so that tools/convert_from_hf.py and checkpoint.init_from unfold it again, exactly.
 Post-LN, DeepNorm, Mix-LN, Sandwich-LN, LayerScale and LayerNorm models are refused: plain LLaMA
 code cannot compute them.
+
+The checkpoint is verified first, and chosen, as a resume would (docs/checkpoints.md, "One verifier for
+every reader"): a run or checkpoint directory gives its newest checkpoint that verifies; a refusal
+(nothing verifies, a file that would run code) exits 2 and writes nothing. --allow-pickle,
+--allow-unverified and --key are the opt-ins every reader of a checkpoint takes.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.checkpoint.command_line import open_checkpoint_from_command_line  # noqa: E402
+from lnstrain.checkpoint.errors import CheckpointError  # noqa: E402
 from lnstrain.checkpoint.hf_io import save_hf_checkpoint  # noqa: E402
 from lnstrain.checkpoint.hf_exportable import export_problems  # noqa: E402
 from lnstrain.checkpoint.layouts import read_full_state  # noqa: E402
@@ -33,13 +39,17 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, step_dir, config = open_checkpoint_from_command_line(
-        __doc__, argv, "directory to write the Hugging Face checkpoint to", _add_export_arguments)
-    problems = export_problems(config.model)
-    if problems:
-        print("cannot export " + str(step_dir) + ":\n  " + "\n  ".join(problems), file=sys.stderr)
+    try:
+        args, step_dir, config = open_checkpoint_from_command_line(
+            __doc__, argv, "directory to write the Hugging Face checkpoint to", _add_export_arguments)
+        problems = export_problems(config.model)
+        if problems:
+            print("cannot export " + str(step_dir) + ":\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
+        state = read_full_state(step_dir, config, with_optimizer=False, allow_pickle=args.allow_pickle)
+    except CheckpointError as error:  # nothing verifies, or a file would run code: nothing was written
+        print(f"convert_to_hf: {error}", file=sys.stderr)
         return 2
-    state = read_full_state(step_dir, config, with_optimizer=False, allow_pickle=args.allow_pickle)
     output = save_hf_checkpoint(state.weights, config.model, args.output, args.dtype, args.shard_size,
                                 config.data.tokenizer or None)
     print(f"exported {step_dir} ({state.weights_source}, norm_scheme={config.model.norm_scheme.value}) "

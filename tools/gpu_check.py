@@ -1,22 +1,19 @@
 #!/usr/bin/env python
-"""The GPU check of issue 12: environment, the GPU test suite and the benchmarks, in stages, into one
-JSON document and a short Markdown table (``lnstrain/benchmark/gpu_summary.py``).
+"""The GPU check: one prepared call to a lent GPU, the decisive figures first, into one JSON document
+and a short Markdown table (``lnstrain/benchmark/gpu_plan.py`` is the plan, ``gpu_summary.py`` the table).
 
-    bash launch/gpu_check.sh --only tests,memory          # installs a carried .whl/ first, then runs this
-    python tools/gpu_check.py --only throughput --out results/
-    python tools/gpu_check.py --dry-run --out /tmp/dry     # the CPU, tiny shapes: the plumbing, no GPU figure
-    python tools/gpu_check.py --summarize a/gpu_check.json b/gpu_check.json --out results/
+    python tools/gpu_check.py --plan                    # the first call's items, seconds each, the total
+    bash launch/gpu_check.sh                            # call 1 on the GPU machine (installs .whl/ first)
+    bash launch/gpu_check.sh --call 2                   # the optional second call
+    bash launch/gpu_check.sh --only 1b_eager,core_tests # chosen items
+    python tools/gpu_check.py --dry-run --out /tmp/dry  # the CPU, tiny shapes: the plumbing, no GPU figure
+    python tools/gpu_check.py --summarize call1/gpu_check.json call2/gpu_check.json --out results/
 
-Stages, in this order (default: all): tests (pytest -m gpu tests/gpu), memory (1B with activation
-checkpointing full and selective), throughput (1B LNS eager with a profile, compiled, and with the FFN
-rounded to 5632), compare (lnstrain model and engine against Hugging Face LLaMA, LNS against Pre-LN),
-layers7b (7B width at two depths). The environment is recorded first in every call.
-
-Each benchmark is a ``tools/benchmark.py`` subprocess (a crash or OOM loses that item only). The
-results (gpu_check.json, gpu_check.md) and the whole output (gpu_check.log) are rewritten in --out
-after every item, so a call cut short keeps what it finished. --time-limit-s (default 540, inside
-the lent machine's 10 minutes per command) stops starting items that would not finish; they are
-recorded as not started, to run with --only in the next call.
+Every item is a subprocess (a crash or an out-of-memory loses that item only) stopped at its seconds;
+an item starts only if its seconds fit in what is left of the call (--time-limit-s, counted from
+--started-at, which launch/gpu_check.sh sets before it installs the wheels). The results
+(gpu_check.json, gpu_check.md) and the whole output (gpu_check.log) are rewritten in --out after every
+item, so a call cut short keeps what it finished.
 """
 
 from __future__ import annotations
@@ -34,78 +31,47 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lnstrain.benchmark.gpu_summary import (BENCHMARKS, SCHEMA, merge_documents, summary_json,  # noqa: E402
-                                            to_markdown)
+from lnstrain.benchmark.gpu_plan import (CALL_LIMIT_S, CALLS, CONFIG_1B, CONFIG_7B_WIDTH, CONFIG_TINY,  # noqa: E402
+                                         ITEMS, PLAN, Item, call_items, plan_text)
+from lnstrain.benchmark.gpu_summary import SCHEMA, merge_documents, summary_json, to_markdown  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
-STAGES = ("tests", "memory", "throughput", "compare", "layers7b")
 EXIT_BAD_INPUT = 2
-CONFIG_1B = "configs/bench/1b_seq2048.yaml"
-CONFIG_7B = "configs/bench/7b_width_seq4096.yaml"
-CONFIG_TINY = "configs/bench/tiny.yaml"
-CONFIG_TINY_WIDE = "configs/bench/tiny_wide.yaml"  # the dry run's depth pair: layers dominate its step
+CONFIG_TINY_WIDE = "configs/bench/tiny_wide.yaml"  # the dry run's 7B-width pair: layers dominate its step
 DRY_RUN_TESTS = "tests/gpu/test_kernels_on_device.py"
 OUTPUT_TAIL_LINES = 40
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    """One ``tools/benchmark.py`` run: its stage, arguments, and the seconds it needs at least on a GPU."""
-
-    name: str
-    stage: str
-    args: tuple[str, ...]
-    min_seconds: float
-
-
-def benchmarks(dry_run: bool) -> list[Benchmark]:
-    """Every benchmark, in run order; the dry run swaps in the tiny shape and a few steps on the CPU."""
-    big, wide = (CONFIG_TINY, CONFIG_TINY_WIDE) if dry_run else (CONFIG_1B, CONFIG_7B)
-    ffn = "96" if dry_run else "5632"
-
-    def steps(count: int, warmup: int = 3) -> tuple[str, ...]:
-        return ("--warmup", "2", "--steps", "3") if dry_run else ("--warmup", str(warmup), "--steps", str(count))
-
-    alone = ("--baseline", "none")
-    specs = [
-        Benchmark("1b_memory_full", "memory", ("--config", big, *alone, *steps(3, 2), "--set",
-                                               "train.activation_checkpointing=full"), 90),
-        Benchmark("1b_memory_selective", "memory", ("--config", big, *alone, *steps(3, 2), "--set",
-                                                    "train.activation_checkpointing=selective"), 90),
-        Benchmark("1b_eager", "throughput", ("--config", big, *alone, *steps(20), "--profile-steps", "3"), 90),
-        Benchmark("1b_compiled", "throughput", ("--config", big, *alone, *steps(20), "--set", "train.compile=true"), 240),
-        Benchmark("1b_ffn5632", "throughput", ("--config", big, *alone, *steps(20), "--set",
-                                               f"model.ffn_hidden_size={ffn}"), 90),
-        Benchmark("1b_vs_hf_model", "compare", ("--config", big, "--runner", "model", "--baseline", "hf", *steps(20)), 150),
-        Benchmark("1b_vs_hf_engine", "compare", ("--config", big, "--baseline", "hf", *steps(20)), 150),
-        Benchmark("1b_lns_vs_pre_ln", "compare", ("--config", big, "--schemes", "lns,pre_ln", *alone, *steps(60)), 150),
-        Benchmark("7b_width_2_layers", "layers7b", ("--config", wide, *alone, *steps(20), "--set", "model.num_layers=2"), 90),
-        Benchmark("7b_width_4_layers", "layers7b", ("--config", wide, *alone, *steps(20), "--set", "model.num_layers=4"), 90),
-    ]
-    assert {spec.name for spec in specs} == set(BENCHMARKS)
-    return specs
+BENCHMARK_MARGIN_S = 8.0
+"""Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` for its report."""
+ENGINE_STEP = ("--config", CONFIG_TINY, "--baseline", "none", "--set", "precision.dtype=bf16", "--set",
+               "parallel.zero_stage=1", "--set", "train.compile=false", "--warmup", "0", "--steps", "1")
+"""The environment item's one bf16 engine step in the training layout's optimizer (BF16_Optimizer), on
+the tiny model: seconds, whatever the GPU."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated stages of {', '.join(STAGES)}")
+    parser.add_argument("--call", type=int, default=1, choices=CALLS, help="which call of the plan (default 1)")
+    parser.add_argument("--only", default=None, help=f"comma-separated items instead of the call's: {', '.join(ITEMS)}")
+    parser.add_argument("--plan", action="store_true", help="print the call's items and seconds, and exit")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results",
                         help="directory for gpu_check.json, gpu_check.md and gpu_check.log (default: $OUT, "
                              "else gpu_check_results/)")
     parser.add_argument("--dry-run", action="store_true",
                         help="on the CPU with tiny shapes and the GPU tests' CPU mode: proves the plumbing, "
-                             "measures nothing about a GPU")
-    parser.add_argument("--time-limit-s", type=float, default=540.0,
-                        help="start no item that cannot finish within this many seconds of the start (default 540)")
+                             "measures nothing about a GPU (no item is held to its seconds)")
+    parser.add_argument("--time-limit-s", type=float, default=CALL_LIMIT_S,
+                        help=f"the call's seconds, from --started-at (default {CALL_LIMIT_S})")
+    parser.add_argument("--started-at", type=float, default=None,
+                        help="when the call began (seconds since the epoch; launch/gpu_check.sh passes the time "
+                             "before its install); default now")
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
-                        help="merge these gpu_check.json files (several calls' stages) and write the summary only")
+                        help="merge these gpu_check.json files (several calls) and write the summary only")
     parser.add_argument("--print-environment", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -121,10 +87,12 @@ def collect_environment() -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                            "cuda_available": torch.cuda.is_available(), "transformers": transformers_version(),
                            "apex": fused_rms_norm_affine is not None,
-                           "torch_fused_rms_norm_on_cuda": TORCH_FUSED_RMS_NORM_ON_CUDA, "device_name": None}
+                           "torch_fused_rms_norm_on_cuda": TORCH_FUSED_RMS_NORM_ON_CUDA, "device_name": None,
+                           "cpu_count": os.cpu_count()}
     try:
         import deepspeed
         env["deepspeed"] = deepspeed.__version__
+        env["deepspeed_path"] = str(Path(deepspeed.__file__).parent)
     except Exception as error:  # noqa: BLE001  (a broken install is worth recording, not fatal here)
         env["deepspeed"] = None
         env["deepspeed_error"] = f"{type(error).__name__}: {error}"
@@ -149,23 +117,38 @@ def collect_environment() -> dict[str, Any]:
     return env
 
 
+def dry_run_args(item: Item) -> tuple[str, ...]:
+    """The item's arguments on the CPU: tiny shapes, few steps, the GPU tests' CPU mode, no kernel generation."""
+    if item.kind == "tests":
+        return ("-m", "gpu and gpu_core", DRY_RUN_TESTS)
+    swap = {CONFIG_1B: CONFIG_TINY, CONFIG_7B_WIDTH: CONFIG_TINY_WIDE}
+    args = [swap.get(arg, arg) for arg in item.args]
+    for flag, value in (("--steps", "3"), ("--warmup", "2")):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+    if "train.compile=true" in args:
+        args += ["--set", "train.compile_backend=aot_eager"]  # traces as inductor would, generates no C++
+    return tuple(args)
+
+
 class Check:
     """One call of the check: the document, the output directory, the log and the clock."""
 
-    def __init__(self, out: Path, dry_run: bool, time_limit_s: float, stages: list[str]) -> None:
+    def __init__(self, out: Path, dry_run: bool, deadline: float, calls: list[int]) -> None:
         self.out = out
         self.dry_run = dry_run
-        self.deadline = time.monotonic() + time_limit_s
+        self.deadline = deadline
         self.scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         out.mkdir(parents=True, exist_ok=True)
         self.log: TextIO = open(out / "gpu_check.log", "a", encoding="utf-8")
-        self.doc: dict[str, Any] = {"schema": SCHEMA, "dry_run": dry_run, "stages_requested": stages, "stages": {},
-                                    "environment": None, "tests": None, "benchmarks": {}}
+        self.doc: dict[str, Any] = {"schema": SCHEMA, "dry_run": dry_run, "calls": calls,
+                                    "limit_s": None, "environment": None, "items": {}}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
             [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if dry_run:
             self.env["LNSTRAIN_GPU_TESTS_DEVICE"] = "cpu"
+        self.engine_failed: str | None = None
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -173,7 +156,7 @@ class Check:
         self.log.flush()
 
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - time.time()
 
     def save(self) -> None:
         """Rewrite gpu_check.json and gpu_check.md (atomically) with everything so far."""
@@ -206,64 +189,88 @@ class Check:
             os.killpg(process.pid, 9)  # the child's own session: it and whatever it started
             process.wait()
             code = 124
-            tail.append(f"killed after {timeout_s:.0f} s (--time-limit-s)")
+            tail.append(f"killed after {timeout_s:.0f} s (its allowance)")
         reader.join(timeout=10)
         return code, time.monotonic() - started, "\n".join(tail)
 
-    def record_environment(self) -> None:
+    def device_args(self) -> tuple[str, ...]:
+        return ("--device", "cpu", "--threads", "1", "--peak-tflops", "1.0") if self.dry_run else ("--device", "cuda")
+
+    def run_environment(self, item: Item, record: dict[str, Any], started_at: float) -> None:
         code, _, output = self.run([sys.executable, str(Path(__file__).resolve()), "--print-environment"],
-                                   min(self.remaining(), 120))
+                                   min(self.remaining(), 60))
         try:
-            self.doc["environment"] = json.loads(output.strip().splitlines()[-1]) if code == 0 else None
+            environment = json.loads(output.strip().splitlines()[-1]) if code == 0 else None
         except (json.JSONDecodeError, IndexError):
-            self.doc["environment"] = None
-        if self.doc["environment"] is None:
-            self.doc["environment"] = {"error": f"environment probe failed (exit {code}): {output[-500:]}"}
-        self.save()
+            environment = None
+        self.doc["environment"] = environment or {"error": f"environment probe failed (exit {code}): {output[-500:]}"}
+        for line in json.dumps(self.doc["environment"], indent=1).splitlines():
+            self.say(line)
+        install_end = os.environ.get("LNSTRAIN_WHEEL_INSTALL_END")
+        record["install"] = {"status": os.environ.get("LNSTRAIN_WHEEL_INSTALL", "not run (DeepSpeed was importable)"),
+                             "seconds": float(install_end) - started_at if install_end else None}
+        report_path = self.scratch / "engine_step.json"
+        command = [sys.executable, "tools/benchmark.py", *ENGINE_STEP, *self.device_args(), "--json", str(report_path)]
+        code, seconds, tail = self.run(command, max(min(self.remaining(), item.seconds), 1.0))
+        record["command"] = shlex.join(["python", *command[1:-2]])
+        if code == 0 and report_path.is_file():
+            report = json.loads(report_path.read_text())
+            record["engine_step"] = {"device": report["environment"]["device_name"],
+                                     "device_type": report["environment"]["device_type"], "seconds": seconds,
+                                     "loss": report["runners"][0]["last_loss"]}
+        else:
+            last = next((line for line in reversed(tail.splitlines()) if line.strip()), f"exit {code}")
+            record["engine_step"] = {"error": last, "exit_code": code}
+            self.engine_failed = f"the environment item's bf16 engine step failed ({last[:200]})"
+            record["output_tail"] = tail
+        record["exit_code"] = code
+        record["status"] = "done" if code == 0 and not (environment or {}).get("error") else "failed"
+        record["duration_s"] = time.time() - started_at  # the install before this process included
 
-    def run_tests(self) -> None:
-        junit = self.scratch / "junit.xml"
-        target = DRY_RUN_TESTS if self.dry_run else "tests/gpu"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", target,
-                   f"--junitxml={junit}", "--durations=10"]
-        code, seconds, tail = self.run(command, self.remaining())
+    def run_tests(self, item: Item, record: dict[str, Any]) -> None:
+        junit = self.scratch / f"{item.name}.xml"
+        args = dry_run_args(item) if self.dry_run else item.args
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f"--junitxml={junit}",
+                   "--durations=10"]
+        code, seconds, tail = self.run(command, self.allowance(item))
         counts, failures = parse_junit(junit) if junit.is_file() else ({}, [])
-        self.doc["tests"] = {"command": shlex.join(["python", *command[1:-2]]), "exit_code": code, "duration_s": seconds,
-                             "counts": counts, "failures": failures,
-                             "device": "cpu (LNSTRAIN_GPU_TESTS_DEVICE=cpu)" if self.dry_run else "cuda",
-                             "output_tail": tail if code else ""}
+        record.update(command=shlex.join(["python", *command[1:-2]]), exit_code=code, duration_s=seconds,
+                      tests={"counts": counts, "failures": failures,
+                             "device": "cpu (LNSTRAIN_GPU_TESTS_DEVICE=cpu)" if self.dry_run else "cuda"},
+                      status="done" if code == 0 else "failed", output_tail=tail if code else "")
 
-    def run_benchmark(self, spec: Benchmark) -> None:
-        report_path = self.scratch / f"{spec.name}.json"
-        device = ("--device", "cpu", "--threads", "1", "--peak-tflops", "1.0") if self.dry_run else ("--device", "cuda")
-        command = [sys.executable, "tools/benchmark.py", *spec.args, *device, "--json", str(report_path)]
-        code, seconds, tail = self.run(command, self.remaining())
+    def run_benchmark(self, item: Item, record: dict[str, Any]) -> None:
+        report_path = self.scratch / f"{item.name}.json"
+        allowance = self.allowance(item)
+        args = dry_run_args(item) if self.dry_run else item.args
+        command = [sys.executable, "tools/benchmark.py", *args, *self.device_args(),
+                   "--time-limit-s", f"{max(allowance - BENCHMARK_MARGIN_S, 1.0):.0f}", "--json", str(report_path)]
+        code, seconds, tail = self.run(command, allowance)
         report = json.loads(report_path.read_text()) if code == 0 and report_path.is_file() else None
-        self.doc["benchmarks"][spec.name] = {
-            "what": BENCHMARKS[spec.name], "command": shlex.join(["python", *command[1:-2]]),
-            "exit_code": code if report is not None or code else 1, "duration_s": seconds, "report": report,
-            "output_tail": "" if report is not None else tail}
+        record.update(command=shlex.join(["python", *command[1:-2]]), exit_code=code if report is not None or code else 1,
+                      duration_s=seconds, report=report, status="done" if report is not None else "failed",
+                      output_tail="" if report is not None else tail)
 
-    def stage(self, name: str) -> None:
-        started = time.monotonic()
-        items = [None] if name == "tests" else [b for b in benchmarks(self.dry_run) if b.stage == name]
-        skipped = []
-        for item in items:
-            needed = 0.0 if self.dry_run else (300.0 if item is None else item.min_seconds)
-            label = "tests" if item is None else item.name
-            if self.remaining() < needed:
-                skipped.append(label)
-                self.say(f"== {label}: not started, {self.remaining():.0f} s left of --time-limit-s")
-                continue
-            self.say(f"== {label} ({self.remaining():.0f} s left)")
-            if item is None:
-                self.run_tests()
-            else:
-                self.run_benchmark(item)
-            self.save()
-        note = f"not started for lack of time: {', '.join(skipped)} (run --only {name} again)" if skipped else ""
-        self.doc["stages"][name] = {"status": "incomplete" if skipped else "done",
-                                    "duration_s": time.monotonic() - started, "note": note}
+    def allowance(self, item: Item) -> float:
+        """The seconds ``item`` may run: its own, or on the CPU's dry run whatever is left of the call."""
+        return self.remaining() if self.dry_run else min(item.seconds, self.remaining())
+
+    def run_item(self, item: Item, started_at: float) -> None:
+        record: dict[str, Any] = {"status": "not started", "allowed_s": item.seconds, "what": item.what,
+                                  "issue_item": item.issue_item, "duration_s": 0.0, "note": ""}
+        self.doc["items"][item.name] = record
+        left = self.remaining()
+        if item.needs_engine and self.engine_failed:
+            record.update(status="skipped", note=self.engine_failed)
+        elif (not self.dry_run and item.seconds > left) or left <= 0:
+            record["note"] = f"{item.seconds} s needed, {max(left, 0):.0f} s left (run it with --only {item.name})"
+        else:
+            self.say(f"== {item.name} ({item.seconds} s allowed, {left:.0f} s left of the call)")
+            {"environment": lambda: self.run_environment(item, record, started_at),
+             "tests": lambda: self.run_tests(item, record),
+             "benchmark": lambda: self.run_benchmark(item, record)}[item.kind]()
+        if record["status"] in ("not started", "skipped"):
+            self.say(f"== {item.name}: {record['status']}: {record['note']}")
         self.save()
 
 
@@ -307,6 +314,17 @@ def summarize_files(paths: list[str], out: Path) -> int:
     return 0
 
 
+def selected_items(args: argparse.Namespace) -> list[Item] | str:
+    """The items to run, in plan order, or the problem with --only."""
+    if args.only is None:
+        return call_items(args.call)
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ITEMS]
+    if unknown or not names:
+        return f"unknown item(s) {unknown} in --only; choose from {', '.join(ITEMS)}"
+    return [item for item in PLAN if item.name in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.print_environment:
@@ -314,20 +332,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.summarize:
         return summarize_files(args.summarize, Path(args.out))
-    stages = [stage.strip() for stage in args.only.split(",") if stage.strip()]
-    unknown = [stage for stage in stages if stage not in STAGES]
-    if unknown or not stages:
-        print(f"gpu_check: unknown stage(s) {unknown} in --only; choose from {', '.join(STAGES)}", file=sys.stderr)
+    if args.plan:
+        print(plan_text(args.call, args.time_limit_s))
+        return 0
+    items = selected_items(args)
+    if isinstance(items, str):
+        print(f"gpu_check: {items}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    check = Check(Path(args.out), args.dry_run, args.time_limit_s, stages)
-    check.say(f"== gpu_check {'(dry run on the CPU) ' if args.dry_run else ''}stages {', '.join(stages)} -> {check.out}")
-    check.record_environment()
-    for line in json.dumps(check.doc["environment"], indent=1).splitlines():
-        check.say(line)
+    started_at = args.started_at or time.time()
+    calls = sorted({item.call for item in items})
+    check = Check(Path(args.out), args.dry_run, started_at + args.time_limit_s, calls)
+    check.doc["limit_s"] = args.time_limit_s
+    check.say(f"== gpu_check {'(dry run on the CPU) ' if args.dry_run else ''}items {', '.join(i.name for i in items)} "
+              f"-> {check.out}; {check.remaining():.0f} s left of {args.time_limit_s:g} s")
     try:
-        for stage in STAGES:  # always in the documented order
-            if stage in stages:
-                check.stage(stage)
+        for item in items:
+            check.run_item(item, started_at)
     finally:
         shutil.rmtree(check.scratch, ignore_errors=True)
     check.say(to_markdown(check.doc))

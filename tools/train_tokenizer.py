@@ -4,7 +4,8 @@
     python tools/train_tokenizer.py --input corpus/*.jsonl.gz --vocab-size 32000 --model-type bpe \\
         --output-prefix tok/spm
 
-Reads .jsonl/.json/.txt, optionally .gz/.zst, streaming; keeps a uniform random sample of at most
+Reads .jsonl/.json/.txt, optionally .gz/.zst, .parquet and datasets save_to_disk directories (these
+two need `pip install pyarrow`), streaming; keeps a uniform random sample of at most
 --max-sentences lines (reservoir sampling, so memory is bounded whatever the corpus size); writes
 <output-prefix>.model and <output-prefix>.vocab.
 """
@@ -25,11 +26,13 @@ from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="input files or glob patterns")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="input files, glob patterns, or datasets save_to_disk directories")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--json-key", default="text", help="JSON key holding the text")
+    p.add_argument("--json-key", "--column", dest="json_key", default="text",
+                   help="JSON key, or Parquet/Arrow column, holding the text")
     p.add_argument("--txt-mode", choices=TXT_MODES, default="line", help="what a document is in .txt files")
     p.add_argument("--max-sentences", type=int, default=2_000_000, help="size of the uniform sentence sample")
     p.add_argument("--max-sentence-chars", type=int, default=4192, help="longer lines are cut")
@@ -64,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, num_threads=args.threads)
         print(f"train_tokenizer: {len(paths)} input file(s), {args.model_type} vocab {args.vocab_size}", flush=True)
         report = train_tokenizer(cfg, paths)
-    except (OSError, ValueError, ImportError) as e:
+    except (ValueError, ImportError, FileNotFoundError) as e:  # the input or the options
+        print(f"train_tokenizer: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # reading or writing failed
         print(f"train_tokenizer: error: {e}", file=sys.stderr)
         return 1
     tok = Tokenizer(report.model_path)

@@ -10,7 +10,8 @@ command in its own process group with SIGUSR1 ignored (an ignored signal stays i
 so the launcher processes ignore it; the ranks install their own handler). When the wrapper gets
 SIGTERM, SIGUSR1 or SIGINT, it sends SIGUSR1 to the whole group: the ranks finish the current step,
 save a checkpoint and exit 75 (stopped to be resumed), the launcher passes that on, and so does this
-wrapper. Its exit status is the command's.
+wrapper. Its exit status is the command's. A second SIGINT (Ctrl-C pressed again) stops everything at
+once: SIGKILL to the group, exit 130; the last complete checkpoint stays (saves survive any kill).
 
 On Linux the wrapper also adopts orphaned descendants (PR_SET_CHILD_SUBREAPER) and waits for them:
 when a job is cancelled or requeued, SIGTERM kills the ``deepspeed`` runner at once while the launcher
@@ -30,6 +31,7 @@ import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 ADOPTED_GRACE_S = 120  # how long adopted processes may outlive the command before they are killed
 
 
@@ -75,8 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     received: list[int] = []
 
     def forward(signum: int, _frame) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in received:
+            rerun = os.environ.get("LNSTRAIN_RESUME_COMMAND") or "the same command"
+            print(f"preemptible: second Ctrl-C: stopped at once; the newest complete checkpoint is kept, and {rerun} "
+                  "resumes from it", file=sys.stderr, flush=True)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os._exit(EXIT_INTERRUPTED)
         received.append(signum)
-        print(f"preemptible: got {signal.Signals(signum).name}; asking every rank to save and stop (SIGUSR1)",
+        again = " after its current step; Ctrl-C again stops at once" if signum == signal.SIGINT else ""
+        print(f"preemptible: got {signal.Signals(signum).name}; asking every rank to save and stop (SIGUSR1){again}",
               file=sys.stderr, flush=True)
         try:
             os.killpg(child.pid, signal.SIGUSR1)

@@ -3,9 +3,13 @@
 A claim is one statistic of a run (the last/first-layer variance ratio, the mean ΔP of the deepest
 half, ...) and the direction the paper expects it to take: against a fixed value within one scheme
 (``pre_ln_variance_grows``: Pre-LN's ratio > 1), or between schemes (``lns_curbs_variance_growth``:
-LNS's ratio < Pre-LN's). Runs of the same norm scheme are taken as seeds of one configuration: the
-verdict compares seed means, and with several seeds on each side it also says whether every seed
-lies on the expected side of every other (``beyond_seed_spread``).
+LNS's ratio < Pre-LN's). Claims are made about configurations: each run is its own, unless the caller
+groups runs (``groups``: runs with one label are seeds of one configuration, and must share a norm
+scheme). A claim within one scheme is evaluated for every configuration of that scheme, a claim
+between schemes for every pair of configurations; the verdict compares seed means, and with several
+seeds on each side it also says whether every seed lies on the expected side of every other
+(``beyond_seed_spread``). A run whose scheme no claim is about (a sandwich or output norm placement
+of an open model) is in no claim: ``unclaimed``.
 
 Verdicts are computed, never written in advance: ``holds`` (the expected direction, strictly),
 ``does not hold`` (the opposite direction), ``tie`` (equal to within ``TIE_TOLERANCE``, which
@@ -127,8 +131,50 @@ class RunValue:
 
 
 @dataclass
+class Configuration:
+    """Runs taken as seeds of one configuration, under one label."""
+
+    label: str
+    scheme: str
+    runs: list[DepthAnalysis]
+
+    @property
+    def title(self) -> str:
+        """The label, with the scheme when the label is not the scheme's name."""
+        return self.label if self.label == self.scheme else f"{self.label} ({self.scheme})"
+
+
+def group_problems(names: Sequence[str], schemes: Sequence[str], groups: Sequence[str]) -> list[str]:
+    """What is wrong with `groups` as configuration labels of runs with these names and norm schemes."""
+    if len(groups) != len(names):
+        return [f"--groups has {len(groups)} labels for {len(names)} runs (one label per run)"]
+    problems = []
+    for label in dict.fromkeys(groups):
+        members = [(name, scheme) for name, scheme, group in zip(names, schemes, groups) if group == label]
+        if len({scheme for _, scheme in members}) > 1:
+            problems.append(f"group {label!r} holds runs of different norm schemes ("
+                            + ", ".join(f"{name}: {scheme}" for name, scheme in members)
+                            + "); seeds of one configuration share a scheme: give them different group labels")
+    return problems
+
+
+def configurations(runs: Sequence[DepthAnalysis], groups: Sequence[str] | None = None) -> list[Configuration]:
+    """The runs' configurations in order of first appearance: one per run (labelled by its name) unless
+    `groups` gives each run a label. ValueError when the labels do not fit (`group_problems`)."""
+    if groups is None:
+        return [Configuration(run.name, run.norm_scheme, [run]) for run in runs]
+    problems = group_problems([r.name for r in runs], [r.norm_scheme for r in runs], groups)
+    if problems:
+        raise ValueError("; ".join(problems))
+    found: dict[str, Configuration] = {}
+    for label, run in zip(groups, runs):
+        found.setdefault(label, Configuration(label, run.norm_scheme, [])).runs.append(run)
+    return list(found.values())
+
+
+@dataclass
 class Spread:
-    """A statistic over the runs (seeds) of one scheme."""
+    """A statistic over the runs (seeds) of one configuration."""
 
     scheme: str
     values: list[float]
@@ -137,11 +183,14 @@ class Spread:
     maximum: float
     std: float | None
     """Sample standard deviation; None with a single run."""
+    configuration: str = ""
+    """The configuration's label (its scheme's name when runs are grouped by scheme)."""
 
     @classmethod
-    def of(cls, scheme: str, values: Sequence[float]) -> Spread:
-        return cls(scheme=scheme, values=list(values), mean=statistics.fmean(values), minimum=min(values),
-                   maximum=max(values), std=statistics.stdev(values) if len(values) > 1 else None)
+    def of(cls, configuration: Configuration, values: Sequence[float]) -> Spread:
+        return cls(scheme=configuration.scheme, values=list(values), mean=statistics.fmean(values),
+                   minimum=min(values), maximum=max(values), std=statistics.stdev(values) if len(values) > 1 else None,
+                   configuration=configuration.label)
 
 
 @dataclass
@@ -151,9 +200,13 @@ class ClaimResult:
     where: str
     statistic: str
     expected: str
-    """The paper's direction, e.g. "lns < pre_ln" or "pre_ln > 1"."""
+    """The paper's direction, e.g. "lns < pre_ln", "pre_ln > 1" or "llama (pre_ln) > 1"."""
     scheme: str
     """The scheme tested (an LNS-family scheme standing where the paper has LNS)."""
+    configuration: str
+    """The label of the configuration tested."""
+    reference_configuration: str | None
+    """The label of the configuration compared with (between-scheme claims)."""
     runs: list[RunValue]
     subject: Spread | None
     reference: Spread | None
@@ -183,23 +236,29 @@ def _side(a: float, b: float, relation: str) -> int:
     return 1 if expected else -1
 
 
-def _evaluate(claim: Claim, scheme: str, by_scheme: dict[str, list[DepthAnalysis]]) -> ClaimResult:
+def _evaluate(claim: Claim, subject_configuration: Configuration,
+              reference_configuration: Configuration | None) -> ClaimResult:
     symbol = ">" if claim.relation == "greater" else "<"
-    subject_runs = by_scheme.get(scheme, [])
-    reference_runs = by_scheme.get(claim.against, []) if isinstance(claim.against, str) else []
+    scheme = subject_configuration.scheme
+    between = isinstance(claim.against, str)
+    subject_runs = subject_configuration.runs
+    reference_runs = reference_configuration.runs if reference_configuration else []
     runs = [RunValue(r.name, scheme, claim.measure(r)) for r in subject_runs]
     runs += [RunValue(r.name, str(claim.against), claim.measure(r)) for r in reference_runs]
-    subject = Spread.of(scheme, [v.value for v in runs[:len(subject_runs)]]) if subject_runs else None
-    threshold = None if isinstance(claim.against, str) else float(claim.against)
-    reference = Spread.of(claim.against, [v.value for v in runs[len(subject_runs):]]) if reference_runs else None
+    subject = Spread.of(subject_configuration, [v.value for v in runs[:len(subject_runs)]])
+    threshold = None if between else float(claim.against)
+    reference = (Spread.of(reference_configuration, [v.value for v in runs[len(subject_runs):]])
+                 if reference_configuration else None)
+    other_side = (reference_configuration.title if reference_configuration else claim.against) if between \
+        else f"{claim.against:g}"
     result = ClaimResult(id=claim.id, says=claim.says, where=claim.where, statistic=claim.statistic,
-                         expected=f"{scheme} {symbol} {claim.against:g}" if threshold is not None
-                         else f"{scheme} {symbol} {claim.against}",
-                         scheme=scheme, runs=runs, subject=subject, reference=reference, threshold=threshold,
+                         expected=f"{subject_configuration.title} {symbol} {other_side}", scheme=scheme,
+                         configuration=subject_configuration.label,
+                         reference_configuration=reference_configuration.label if reference_configuration else None,
+                         runs=runs, subject=subject, reference=reference, threshold=threshold,
                          difference=None, holds=None, verdict="not testable", seeds=0, beyond_seed_spread=None)
-    if subject is None or (threshold is None and reference is None):
-        missing = scheme if subject is None else claim.against
-        result.verdict = f"not testable: no {missing} run"
+    if between and reference is None:
+        result.verdict = f"not testable: no {claim.against} run"
         return result
     other = threshold if threshold is not None else reference.mean
     result.difference = subject.mean - other
@@ -214,20 +273,30 @@ def _evaluate(claim: Claim, scheme: str, by_scheme: dict[str, list[DepthAnalysis
 
 
 def evaluate_claims(runs: Sequence[DepthAnalysis], claims: Sequence[Claim] = CLAIMS,
-                    reference: str = REFERENCE_SCHEME) -> list[ClaimResult]:
-    """Every claim whose subject scheme is among the runs, in the order of ``claims``; claims about
-    LNS once for each LNS-family scheme present. Runs of one scheme are seeds. ``reference``: the
-    scheme LNS is compared with (the paper's Pre-LN by default); claims about Pre-LN alone stay so."""
-    by_scheme: dict[str, list[DepthAnalysis]] = {}
-    for run in runs:
-        by_scheme.setdefault(run.norm_scheme, []).append(run)
-    lns_like = [s for s in LNS_FAMILY if s in by_scheme]
+                    reference: str = REFERENCE_SCHEME, groups: Sequence[str] | None = None) -> list[ClaimResult]:
+    """Every claim for every configuration of its subject scheme present, in the order of ``claims``;
+    claims about LNS for each configuration of an LNS-family scheme, against each configuration of
+    ``reference`` (the paper's Pre-LN by default; claims about Pre-LN alone stay so). ``groups``: one
+    configuration label per run (runs sharing one are seeds); by default each run is its own."""
+    found = configurations(runs, groups)
     results = []
     for claim in claims:
         claim = dataclasses.replace(claim, against=reference) if claim.against == REFERENCE_SCHEME else claim
-        schemes = lns_like if claim.subject == "lns" else [claim.subject] if claim.subject in by_scheme else []
-        results += [_evaluate(claim, scheme, by_scheme) for scheme in schemes]
+        schemes = LNS_FAMILY if claim.subject == "lns" else (claim.subject,)
+        for subject in (c for c in found if c.scheme in schemes):
+            if not isinstance(claim.against, str):
+                results.append(_evaluate(claim, subject, None))
+                continue
+            references = [c for c in found if c.scheme == claim.against] or [None]
+            results += [_evaluate(claim, subject, other) for other in references]
     return results
+
+
+def unclaimed(runs: Sequence[DepthAnalysis], claims: Sequence[Claim] = CLAIMS,
+              reference: str = REFERENCE_SCHEME) -> list[DepthAnalysis]:
+    """The runs no claim is about: their scheme is neither a claim's subject nor the reference."""
+    schemes = {reference, *LNS_FAMILY} | {c.subject for c in claims if c.subject != "lns"}
+    return [run for run in runs if run.norm_scheme not in schemes]
 
 
 def _values(spread: Spread | None) -> str:
@@ -272,13 +341,17 @@ def verdict_text(result: ClaimResult) -> str:
     return f"{result.verdict} ({seeds})" if seeds else result.verdict
 
 
+def _side_values(result: ClaimResult, separator: str, joiner: str) -> str:
+    """Each side's configuration and values, e.g. "lns: 4.8; pre_ln: 5.1"."""
+    sides = [s for s in (result.subject, result.reference) if s is not None]
+    return joiner.join(f"{side.configuration}{separator}{_values(side)}" for side in sides)
+
+
 def claims_table(results: Sequence[ClaimResult]) -> list[str]:
-    """A Markdown table: one row per claim and scheme."""
+    """A Markdown table: one row per claim and configuration (or pair of configurations)."""
     lines = ["| claim | the paper says | statistic | expected | values | verdict |", "|---|---|---|---|---|---|"]
     for r in results:
-        values = f"{r.scheme}: {_values(r.subject)}"
-        if r.reference is not None:
-            values += f"; {r.reference.scheme}: {_values(r.reference)}"
+        values = _side_values(r, ": ", "; ")
         lines.append(f"| `{r.id}` | {r.says} ({r.where}) | {r.statistic} | {r.expected} | {values} | "
                      f"{verdict_text(r)} |")
     return lines
@@ -289,9 +362,7 @@ def claims_console(results: Sequence[ClaimResult]) -> str:
     lines = []
     for r in results:
         label = r.id if r.scheme in ("lns", "pre_ln") else f"{r.id} [{r.scheme} for lns]"
-        values = f"{r.scheme} {_values(r.subject)}"
-        if r.reference is not None:
-            values += f" vs {r.reference.scheme} {_values(r.reference)}"
+        values = _side_values(r, " ", " vs ")
         seeds = seed_text(r)
         lines += [f"  {r.verdict:<14} {label}: {r.says}",
                   f"  {'':<14} {r.statistic}, expected {r.expected}: {values}" + (f"; {seeds}" if seeds else "")]

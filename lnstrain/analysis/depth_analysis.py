@@ -23,6 +23,7 @@ from lnstrain.analysis.progress import Progress
 from lnstrain.analysis.pruning import EvalResult, LayerPruning, MultipleChoiceItem, layer_pruning
 from lnstrain.analysis.representations import Batch, iterate_residual_streams
 from lnstrain.analysis.variance import VarianceAccumulator
+from lnstrain.analysis.windows import WindowRecord
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,13 @@ DEFAULT_NEAR_IDENTITY_THRESHOLD = 0.01
 @dataclass
 class DepthSummary:
     near_identity_threshold: float
-    """A layer is near-identity when skipping it raises the validation loss by less than this (nats)."""
+    """A layer is near-identity when skipping it changes the validation loss by less than this (|ΔP|, nats)."""
     near_identity_layers: list[int]
     deep_half_share: float
     """Share of the total ΔP (loss increases, negatives counted as 0) carried by the deepest
     floor(L / 2) layers; 0.5 would be an even spread, near 0 the Curse of Depth."""
+    negative_layers: list[int] = field(default_factory=list)
+    """Layers whose removal lowers the validation loss (ΔP < 0)."""
 
     @property
     def num_near_identity(self) -> int:
@@ -57,10 +60,15 @@ class DepthAnalysis:
     pruning: list[LayerPruning]
     summary: DepthSummary
     norm_gains: list[list[float]] = field(default_factory=list)
-    """[L][2]: mean |effective gain| of layer l's attention and MLP norms (the learned gain times any
-    factor the scheme applies to the norm's output, e.g. LNS's 1/sqrt(l)); empty in older analyses."""
+    """[L][len(norm_names)]: mean |effective gain| of each of layer l's norms (the gain as the norm applies
+    it, times any factor the scheme applies to the norm's output, e.g. LNS's 1/sqrt(l)); empty in older
+    analyses."""
+    norm_names: list[str] = field(default_factory=lambda: ["attention_norm", "mlp_norm"])
+    """The role of each entry of a layer's norm_gains (model_source.DepthModel.norm_names)."""
     source: str = ""
     """What was measured: the model's kind and dtype (e.g. "Hugging Face llama, bf16"); empty in older analyses."""
+    windows: WindowRecord | None = None
+    """The windows measured on; None in older analyses and when the caller gave none."""
 
     def distance_by_offset(self) -> list[list[float | None]]:
         return distance_by_offset(torch.tensor(self.angular_distance))
@@ -73,21 +81,27 @@ class DepthAnalysis:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DepthAnalysis:
-        summary = {k: v for k, v in data["summary"].items() if k != "num_near_identity"}
+        """The analysis `to_dict` wrote. The summary is computed again from the per-layer ΔP, so that an
+        analysis written by an older version counts near-identity layers by today's rule."""
         pruning = [LayerPruning(**{**p, "result": EvalResult(**p["result"])}) for p in data["pruning"]]
         fields = {f.name for f in dataclasses.fields(cls)}
+        windows = data.get("windows")
         return cls(**{**{k: v for k, v in data.items() if k in fields},
                       "baseline": EvalResult(**data["baseline"]), "pruning": pruning,
-                      "summary": DepthSummary(**summary)})
+                      "summary": summarize(pruning, data["summary"]["near_identity_threshold"]),
+                      "windows": None if windows is None else WindowRecord.from_dict(windows)})
 
 
 def summarize(pruning: Sequence[LayerPruning], threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthSummary:
-    near_identity = [p.layer for p in pruning if p.delta_loss < threshold]
+    """Near-identity layers are those whose removal changes the loss by less than `threshold` either way:
+    a layer whose removal lowers the loss by more is not an identity map, and is listed as negative."""
+    near_identity = [p.layer for p in pruning if abs(p.delta_loss) < threshold]
     gains = [max(p.delta_loss, 0.0) for p in pruning]
     deep = gains[len(gains) - len(gains) // 2:]
     total = sum(gains)
     return DepthSummary(near_identity_threshold=threshold, near_identity_layers=near_identity,
-                        deep_half_share=sum(deep) / total if total > 0 else 0.0)
+                        deep_half_share=sum(deep) / total if total > 0 else 0.0,
+                        negative_layers=[p.layer for p in pruning if p.delta_loss < 0])
 
 
 def effective_norm_gains(model: nn.Module | DepthModel) -> list[list[float]]:
@@ -107,8 +121,10 @@ def measure_representations(model: nn.Module | DepthModel,
 
 def analyze_model(model: nn.Module | DepthModel, batches: Sequence[Batch], *, name: str | None = None,
                   items: Sequence[MultipleChoiceItem] = (),
-                  near_identity_threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD) -> DepthAnalysis:
-    """Everything the depth report shows. `name` defaults to the model's (for lnstrain: its norm scheme).
+                  near_identity_threshold: float = DEFAULT_NEAR_IDENTITY_THRESHOLD,
+                  windows: WindowRecord | None = None) -> DepthAnalysis:
+    """Everything the depth report shows. `name` defaults to the model's (for lnstrain: its norm scheme);
+    `windows`: the record of the windows `batches` holds (`eval_data.Windows`), kept with the analysis.
     Logs a progress line with an ETA after each of the L + 2 passes over the batches."""
     model = as_depth_model(model)
     name = name or model.name
@@ -121,4 +137,5 @@ def analyze_model(model: nn.Module | DepthModel, batches: Sequence[Batch], *, na
     return DepthAnalysis(name=name, num_layers=model.num_layers, norm_scheme=model.norm_scheme,
                          validation_tokens=baseline.tokens, output_variance=output_variance, angular_distance=angular,
                          baseline=baseline, pruning=pruning, summary=summarize(pruning, near_identity_threshold),
-                         norm_gains=model.norm_gains(), source=model.source)
+                         norm_gains=model.norm_gains(), norm_names=list(model.norm_names), source=model.source,
+                         windows=windows)

@@ -1,4 +1,4 @@
-"""Per-layer statistics during training, for TensorBoard: the Curse of Depth as it happens.
+"""Per-layer statistics during training, for TensorBoard and W&B: the Curse of Depth as it happens.
 
 Every `interval` steps the trainer arms the collector before the step and collects after it:
 
@@ -11,8 +11,7 @@ Every `interval` steps the trainer arms the collector before the step and collec
     engine.train_step(batch, before_optimizer_step=depth_stats.read_parameter_grads if armed else None)
     if armed:
         stats = depth_stats.collect(step)    # collective: every rank calls it
-        if rank == 0:
-            write_depth_stats(writer, stats, step)
+        metrics.record_depth_stats(stats, step)   # rank 0: scalars and profiles to TensorBoard and W&B
 
 Per global layer number l (tags `depth/<stat>/layer_07`):
 - residual_variance: variance of all elements of layer l's output (the residual stream);
@@ -58,8 +57,6 @@ from lnstrain.model.block import TransformerBlock
 from lnstrain.model.norm_schemes import Placement
 
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
-
     from lnstrain.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -278,18 +275,3 @@ class DepthStatsCollector:
                     continue
                 scalars[stat_tag(stat, number, num_layers)] = values[stat]
         return scalars
-
-
-def write_depth_stats(writer: SummaryWriter, stats: dict[str, float], step: int) -> None:
-    """Write `collect`'s scalars, plus one layer-vs-value view per statistic.
-
-    The view is a TensorBoard histogram whose bucket l holds the value of layer l: the
-    Histograms tab then draws value against depth, one curve per logged step.
-    """
-    for tag, value in stats.items():
-        writer.add_scalar(tag, value, step)
-    for stat, values in layer_profiles(stats).items():
-        limits = [number + 0.5 for number in range(1, len(values) + 1)]
-        writer.add_histogram_raw(f"{PROFILE_PREFIX}/{stat}", min=0.5, max=len(values) + 0.5,
-                                 num=len(values), sum=sum(values), sum_squares=sum(v * v for v in values),
-                                 bucket_limits=limits, bucket_counts=values, global_step=step)

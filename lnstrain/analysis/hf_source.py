@@ -1,17 +1,18 @@
 """Hugging Face models as a depth-analysis source, read in place through transformers (no conversion).
 
+    directory = inspect_hf_directory("models/Llama-2-7b-hf")     # config.json alone: family, context
     model = load_hf_model("models/Llama-2-7b-hf", dtype="bf16", device="cuda")   # or device_map="auto"
     analysis = analyze_model(model, batches)
 
-Supported (`FAMILIES`): decoder-only models whose blocks form one list, `model.layers`, each block
-a Pre-LN residual block with an attention-input norm and an MLP-input norm. The architecture is read
-from config.json and refused before any weight is loaded when it is not one of them. transformers
-itself computes the model (its attention, masks, rotary embeddings): the analysis only hooks the
-blocks (`model_source.DepthModel`). Weights are read from local files only, never with remote code.
+Supported: the families of `hf_families.FAMILIES` (config.json's model_type). Everything that can be
+known without the weights is checked first, from config.json and the file names alone: an
+architecture outside the table, a directory without weights. transformers itself computes the model
+(its attention, masks, rotary embeddings, soft-capping): the analysis only hooks the blocks
+(`model_source.DepthModel`). Weights are read from local files only, never with remote code.
 
-The model's own tokenizer, when the directory has one, is `HFDepthModel.tokenizer`. The norm scheme
-is "pre_ln", or what an lnstrain export's config.json records (its "lnstrain" key): an LNS model
-exported with `tools/convert_to_hf.py` is analysed as "lns", with the same figures as its checkpoint.
+The norm scheme of a model is its family's norm placement (pre_ln, sandwich_ln, output_ln, post_ln),
+or what an lnstrain export's config.json records (its "lnstrain" key): an LNS model exported with
+`tools/convert_to_hf.py` is analysed as "lns", with the same figures as its checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lnstrain.analysis.hf_families import HFFamily, family_of
 from lnstrain.analysis.model_source import DepthModel
 from lnstrain.analysis.text_tokens import HFDocuments, import_transformers, load_hf_tokenizer
 from lnstrain.checkpoint.lns_fold import RECORD_KEY
@@ -34,30 +36,8 @@ from lnstrain.checkpoint.lns_fold import RECORD_KEY
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
-
-
-@dataclass(frozen=True)
-class HFFamily:
-    """A model family the analysis can hook: where its blocks and their two pre-sublayer norms are."""
-
-    title: str
-    attention_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
-
-
-FAMILIES: dict[str, HFFamily] = {
-    "llama": HFFamily("LLaMA"),
-    "mistral": HFFamily("Mistral"),
-    "qwen2": HFFamily("Qwen2"),
-    "qwen3": HFFamily("Qwen3"),
-}
-"""config.json's model_type -> family; each is tested against transformers with a layer deleted."""
-
-
-def supported_families() -> str:
-    return ", ".join(f"{family.title} (model_type {name!r})" for name, family in FAMILIES.items())
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -83,30 +63,61 @@ def is_hf_model_directory(path: str | Path) -> bool:
         return False
 
 
-def family_of(path: str | Path, config: dict[str, Any]) -> HFFamily:
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported by the depth analysis; supported: "
-                         f"{supported_families()}. Others need their block list and norms added to "
-                         "lnstrain/analysis/hf_source.py FAMILIES, with a test")
-    return FAMILIES[model_type]
+@dataclass(frozen=True)
+class HFModelDirectory:
+    """What a model directory says about itself without its weights."""
+
+    path: Path
+    config: dict[str, Any]
+    family: HFFamily
+    vocab_size: int
+    context: int
+    """The model's context length (max_position_embeddings, or n_positions)."""
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def norm_scheme(self) -> str:
+        """The family's placement, or the scheme an lnstrain export records."""
+        record = self.config.get(RECORD_KEY) or {}
+        return record.get("norm_scheme", self.family.placement.norm_scheme)
+
+
+def inspect_hf_directory(path: str | Path) -> HFModelDirectory:
+    """config.json read and checked, weights looked for (not read); ValueError naming what is wrong."""
+    path = Path(path)
+    config = read_hf_config(path)
+    family = family_of(path, config)
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(f"{path}: no weights ({' or '.join(WEIGHT_FILES)})")
+    transformers = import_transformers()
+    try:
+        text_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                              trust_remote_code=False).get_text_config()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}/config.json: transformers {transformers.__version__} cannot read it ({e})") from e
+    return HFModelDirectory(path=path, config=config, family=family, vocab_size=text_config.vocab_size,
+                            context=text_config.max_position_embeddings)
 
 
 class HFDepthModel(DepthModel):
     """A transformers causal language model of a supported family."""
 
-    def __init__(self, model: nn.Module, family: HFFamily, *, name: str, norm_scheme: str = "pre_ln",
+    def __init__(self, model: nn.Module, family: HFFamily, *, name: str, norm_scheme: str,
                  source: str = "Hugging Face", tokenizer: HFDocuments | None = None) -> None:
         self.module = model
         self.family = family
         self.name = name
         self.norm_scheme = norm_scheme
+        self.norm_names = family.norm_roles
         self.source = source
         self.tokenizer = tokenizer
-        config = model.config
-        self.vocab_size = config.vocab_size
-        self.max_seq_len = config.max_position_embeddings
-        self._blocks = list(model.model.layers)
+        text_config = model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_seq_len = text_config.max_position_embeddings
+        self._blocks = list(family.block_list(model))
 
     def layers(self) -> Sequence[nn.Module]:
         return self._blocks
@@ -119,16 +130,15 @@ class HFDepthModel(DepthModel):
         return self.module(input_ids=tokens, use_cache=False).logits
 
     def norm_gains(self) -> list[list[float]]:
-        """Mean |gain| of each block's two norms (an lnstrain LNS export has 1/sqrt(l) folded in); empty
-        when a norm's weight is offloaded where it cannot be read."""
+        """Mean |gain_offset + weight| of each block's norms, in `norm_names` order (an lnstrain LNS export
+        has 1/sqrt(l) folded in); empty when a norm's weight is offloaded where it cannot be read."""
         gains = []
         for block in self._blocks:
-            weights = [_readable_weight(getattr(block, name)) for name in (self.family.attention_norm,
-                                                                           self.family.mlp_norm)]
+            weights = [_readable_weight(getattr(block, attribute)) for _, attribute in self.family.norms]
             if any(weight is None for weight in weights):
                 logger.warning("%s: norm weights offloaded out of reach; no norm gains in the report", self.name)
                 return []
-            gains.append([float(weight.detach().float().abs().mean()) for weight in weights])
+            gains.append([float((weight.detach().float() + self.family.gain_offset).abs().mean()) for weight in weights])
         return gains
 
 
@@ -141,7 +151,8 @@ def _readable_weight(module: nn.Module) -> torch.Tensor | None:
     return None if weights_map is None else weights_map["weight"]
 
 
-def _dtype_argument(transformers) -> str:
+def dtype_keyword(transformers) -> str:
+    """The keyword from_pretrained takes the dtype as: `dtype` from transformers 4.56, `torch_dtype` before."""
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
@@ -149,22 +160,20 @@ def _dtype_argument(transformers) -> str:
 def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.device = "cpu",
                   device_map: str | dict[str, Any] | None = None, offload_folder: str | None = None,
                   name: str | None = None) -> HFDepthModel:
-    """A supported Hugging Face model from a local directory, in eval mode, with its tokenizer.
+    """A supported Hugging Face model from a local directory, in eval mode, with its tokenizer (None
+    when the directory has none).
 
     dtype: "fp32", "bf16" or "fp16" (the weights are cast when loaded). device: where the whole model
     goes; device_map instead: transformers' placement over several devices ("auto", "balanced",
     "sequential", or {module name: device}; needs accelerate), for a model larger than one device;
     what fits no device is offloaded to CPU memory, or to `offload_folder` on disk.
     """
-    path = Path(path)
-    config = read_hf_config(path)
-    family = family_of(path, config)
+    directory = inspect_hf_directory(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
-    if not any((path / name).is_file() for name in _WEIGHT_FILES):
-        raise ValueError(f"{path}: no weights ({' or '.join(_WEIGHT_FILES)})")
+    tokenizer = load_hf_tokenizer(directory.path)
     transformers = import_transformers()
-    kwargs: dict[str, Any] = {_dtype_argument(transformers): DTYPES[dtype], "local_files_only": True,
+    kwargs: dict[str, Any] = {dtype_keyword(transformers): DTYPES[dtype], "local_files_only": True,
                               "trust_remote_code": False}
     if device_map is not None:
         if importlib.util.find_spec("accelerate") is None:
@@ -173,15 +182,17 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.
         kwargs["device_map"] = device_map
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory.path), **kwargs)
     if device_map is None:
         model.to(device)
     model.eval()
-    if not hasattr(getattr(model, "model", None), "layers"):
-        raise ValueError(f"{path}: transformers built {type(model).__name__}, which has no model.layers block list")
-    record = config.get(RECORD_KEY) or {}
+    try:
+        blocks = directory.family.block_list(model)
+    except AttributeError as e:
+        raise ValueError(f"{path}: transformers {transformers.__version__} built {type(model).__name__}, which has "
+                         f"no {directory.family.blocks} block list ({e})") from e
     placement = "a device map" if device_map is not None else str(device)
-    logger.info("%s: %s, %d layers, %s on %s", path, type(model).__name__, len(model.model.layers), dtype, placement)
-    return HFDepthModel(model, family, name=name or path.resolve().name,
-                        norm_scheme=record.get("norm_scheme", "pre_ln"),
-                        source=f"Hugging Face {config['model_type']}, {dtype}", tokenizer=load_hf_tokenizer(path))
+    logger.info("%s: %s, %d layers, %s on %s", path, type(model).__name__, len(blocks), dtype, placement)
+    return HFDepthModel(model, directory.family, name=name or directory.path.resolve().name,
+                        norm_scheme=directory.norm_scheme, source=f"Hugging Face {directory.model_type}, {dtype}",
+                        tokenizer=tokenizer)

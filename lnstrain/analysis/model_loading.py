@@ -69,10 +69,11 @@ def _consolidated_reader():
 
 def load_for_analysis(*, checkpoint: str | None = None, state_dict: str | None = None,
                       config: str | None = None, overrides: Sequence[str] = (),
-                      device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
-    """(run config, model) from a checkpoint, or from a state-dict file and its YAML config."""
+                      device: str | torch.device = "cpu", trust: Any = None) -> tuple[Config, Transformer]:
+    """(run config, model) from a checkpoint (the one ``lnstrain.checkpoint.verifier`` chooses under
+    ``trust``, its ``Trust``; None: no opt-ins), or from a state-dict file and its YAML config."""
     if checkpoint is not None:
-        run_config, weights = _consolidated_reader()(checkpoint)
+        run_config, weights = _consolidated_reader()(checkpoint, *([trust] if trust is not None else []))
         return run_config, build_model(run_config, weights, checkpoint, device)
     if state_dict is None or config is None:
         raise ValueError("give --checkpoint DIR, or both --state-dict FILE.pt and --config RUN.yaml")

@@ -12,7 +12,7 @@ the base class gives, with forward hooks on the blocks and nothing model-specifi
 
 Sources: `LnstrainDepthModel` here (a single-process `Transformer`), `hf_source.HFDepthModel` (a
 Hugging Face model through transformers). A block's hidden-state input is its first positional
-argument or its ``hidden_states`` keyword; its output is a tensor or a tuple starting with one.
+argument or its ``hidden_states`` keyword; its output is a tensor, or a tuple or list starting with one.
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ import torch
 from torch import nn
 
 from lnstrain.model.block import TransformerBlock
+from lnstrain.model.norm_schemes import Placement
+
+LNSTRAIN_NORM_NAMES = {Placement.PRE: ("attention_input", "mlp_input"),
+                       Placement.SANDWICH: ("attention_input", "mlp_input"),
+                       Placement.POST: ("attention_residual", "mlp_residual")}
+"""The roles of an lnstrain block's attention_norm and mlp_norm, by placement (the norms a sandwich
+block adds on the sublayer outputs are not among the reported gains)."""
 
 
 def _hidden_input(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -40,7 +47,7 @@ def _with_hidden_output(output: Any, hidden: torch.Tensor) -> Any:
     """`output` with its hidden state replaced by `hidden` (same structure: tensor or tuple)."""
     if isinstance(output, torch.Tensor):
         return hidden
-    return (hidden, *output[1:])
+    return [hidden, *output[1:]] if isinstance(output, list) else (hidden, *output[1:])
 
 
 class DepthModel(ABC):
@@ -56,6 +63,8 @@ class DepthModel(ABC):
     max_seq_len: int
     source: str
     """What was loaded and how, for the report (e.g. "lnstrain checkpoint, fp32")."""
+    norm_names: tuple[str, ...]
+    """What each entry of a layer's `norm_gains` is (e.g. "attention_input", "mlp_output")."""
 
     @abstractmethod
     def layers(self) -> Sequence[nn.Module]:
@@ -67,7 +76,7 @@ class DepthModel(ABC):
 
     @abstractmethod
     def norm_gains(self) -> list[list[float]]:
-        """[L][2]: mean |effective gain| of layer l's attention-input and MLP-input norms."""
+        """[L][len(norm_names)]: mean |effective gain| of each of layer l's norms."""
 
     @property
     def num_layers(self) -> int:
@@ -152,6 +161,9 @@ class LnstrainDepthModel(DepthModel):
         self.max_seq_len = cfg.max_seq_len
         self.source = source
         self._blocks = transformer_blocks(model)
+        placements = {block.layout.placement for block in self._blocks}
+        self.norm_names = (LNSTRAIN_NORM_NAMES[placements.pop()] if len(placements) == 1
+                           else ("attention_norm", "mlp_norm"))
 
     def layers(self) -> Sequence[nn.Module]:
         return self._blocks

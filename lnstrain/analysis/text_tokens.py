@@ -15,25 +15,37 @@ word start by itself, so there the answer is tokenized alone, as before).
 
 Token files (`--data`) carry no record of their tokenizer: `check_vocabularies_agree` compares the
 tokenizer that made them, piece by piece, with the model's.
+
+Every tokenizer has a `checksum` (SHA-256 of its files), which the analysis records with its windows.
+A Hugging Face directory's tokenizer is looked for by its file names first (`hf_tokenizer_files`), so
+that a directory without one is refused with that said, before any weight is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
-from lnstrain.data.tokenizer import Tokenizer
+from lnstrain.data.tokenizer import Tokenizer, file_sha256
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'lnstrain[hf]' (transformers and safetensors)"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
+                      "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+"""The files a Hugging Face tokenizer is made of (the first six hold a vocabulary); their checksum is its own."""
+_HF_VOCABULARY_FILES = HF_TOKENIZER_FILES[:6]
 
 
 class DocumentTokenizer(ABC):
     """A model's tokenizer, as the depth analysis uses it."""
 
     description: str
+    checksum: str
+    """SHA-256 of the tokenizer's files."""
 
     @abstractmethod
     def document(self, text: str) -> list[int]:
@@ -62,6 +74,7 @@ class SentencePieceDocuments(DocumentTokenizer):
     def __init__(self, path: str) -> None:
         self.tokenizer = Tokenizer(path)
         self.description = f"sentencepiece {path}"
+        self.checksum = file_sha256(path)
 
     def document(self, text: str) -> list[int]:
         eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id >= 0 else []
@@ -83,9 +96,10 @@ class SentencePieceDocuments(DocumentTokenizer):
 class HFDocuments(DocumentTokenizer):
     """A Hugging Face tokenizer object (anything `AutoTokenizer.from_pretrained` returns)."""
 
-    def __init__(self, tokenizer: Any, description: str) -> None:
+    def __init__(self, tokenizer: Any, description: str, checksum: str) -> None:
         self.tokenizer = tokenizer
         self.description = description
+        self.checksum = checksum
 
     def _with_specials(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
@@ -125,16 +139,40 @@ def import_transformers():
     return transformers
 
 
+def hf_tokenizer_files(path: str | os.PathLike) -> list[Path]:
+    """The tokenizer files in a Hugging Face directory; empty when none holds a vocabulary."""
+    path = Path(path)
+    present = [path / name for name in HF_TOKENIZER_FILES if (path / name).is_file()]
+    return present if any(file.name in _HF_VOCABULARY_FILES for file in present) else []
+
+
+def files_checksum(files: list[Path]) -> str:
+    """One SHA-256 over the files' names and contents."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}:{file_sha256(str(file))}\n".encode())
+    return digest.hexdigest()
+
+
+def missing_tokenizer_text(path: str | os.PathLike) -> str:
+    return f"{path} has no tokenizer (none of {', '.join(_HF_VOCABULARY_FILES)})"
+
+
 def load_hf_tokenizer(path: str | os.PathLike) -> HFDocuments | None:
-    """The directory's tokenizer, or None when it has none that transformers can read."""
+    """The directory's tokenizer, or None when it has no tokenizer files; files that are there but that
+    transformers cannot read are a ValueError."""
+    files = hf_tokenizer_files(path)
+    if not files:
+        logger.info("%s", missing_tokenizer_text(path))
+        return None
     transformers = import_transformers()
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                                                trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
-        logger.info("%s: no tokenizer (%s)", path, e)
-        return None
-    return HFDocuments(tokenizer, f"the Hugging Face tokenizer of {path}")
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        raise ValueError(f"{path}: transformers cannot read its tokenizer ({', '.join(f.name for f in files)}): "
+                         f"{e}") from e
+    return HFDocuments(tokenizer, f"the Hugging Face tokenizer of {path}", files_checksum(files))
 
 
 def load_data_tokenizer(path: str) -> DocumentTokenizer:
@@ -143,7 +181,7 @@ def load_data_tokenizer(path: str) -> DocumentTokenizer:
     if os.path.isdir(path):
         tokenizer = load_hf_tokenizer(path)
         if tokenizer is None:
-            raise ValueError(f"{path}: no Hugging Face tokenizer in this directory")
+            raise ValueError(f"--data-tokenizer: {missing_tokenizer_text(path)}")
         return tokenizer
     return SentencePieceDocuments(path)
 

@@ -1,18 +1,20 @@
 """The GPU check's results: one JSON document, its goals checked, and a short Markdown table.
 
-``tools/gpu_check.py`` runs the GPU test suite and the benchmarks of ``BENCHMARKS`` (each a
-``tools/benchmark.py`` run whose JSON, schema ``lnstrain.benchmark/1``, it keeps whole) and writes a
-document of schema ``SCHEMA``::
+``tools/gpu_check.py`` runs the items of ``lnstrain.benchmark.gpu_plan`` and writes a document of
+schema ``SCHEMA``::
 
-    {"schema", "dry_run", "stages": {stage: {"status", "duration_s", "note"}},
-     "environment": {...}, "tests": {"command", "exit_code", "duration_s", "counts", "failures"},
-     "benchmarks": {name: {"command", "exit_code", "duration_s", "report", "output_tail"}}}
+    {"schema", "dry_run", "calls", "limit_s", "environment": {...},
+     "items": {name: {"status", "allowed_s", "duration_s", "exit_code", "command", "note",
+                      "report" (a tools/benchmark.py report, schema lnstrain.benchmark/1),
+                      "tests" ({"counts", "failures"}), "install", "engine_step", "output_tail"}}}
 
-A session lent a GPU may run the stages over several calls; ``merge_documents`` joins their
-documents. ``summary_rows`` reads the figures of the issue out of it and checks each goal:
-1B LNS MFU >= 50% (non-causal FLOPs), lnstrain >= 1.2x Hugging Face LLaMA, the LNS / Pre-LN step-time
-ratio's 95% interval inside [0.99, 1.01], the ``--dry-run`` memory estimate within 10% of the measured
-peak, and the 7B-width per-layer MFU with the 32-layer projection it gives.
+An item's status is ``done``, ``failed``, ``skipped`` (it needs the engine and the engine step failed)
+or ``not started`` (its seconds did not fit in what was left of the call). Several calls' documents
+are joined by ``merge_documents``. ``summary_rows`` reads the issue's figures out of it and checks
+each goal: the environment item passing under a minute, the core GPU tests passing, 1B LNS MFU >= 50%
+(non-causal FLOPs), lnstrain >= 1.2x Hugging Face LLaMA, the LNS / Pre-LN step-time ratio's 95%
+interval inside [0.99, 1.01], the ``--dry-run`` memory estimate within 10% of the measured peak, and the
+7B-width per-layer MFU with the 32-layer projection it gives.
 """
 
 from __future__ import annotations
@@ -20,28 +22,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SCHEMA = "lnstrain.gpu_check/1"
+SCHEMA = "lnstrain.gpu_check/2"
 
 MFU_GOAL = 0.50
 HF_SPEEDUP_GOAL = 1.2
 LNS_RATIO_BAND = (0.99, 1.01)
 MEMORY_BAND = (0.9, 1.1)
-TEST_SUITE_SECONDS_GOAL = 480.0
+ENVIRONMENT_SECONDS_GOAL = 60.0
+CORE_TESTS_SECONDS_GOAL = 120.0
 PROJECTED_LAYERS = 32  # the 7B preset
-
-BENCHMARKS = {
-    "1b_eager": "1B LNS, seq 2048, bf16, engine, eager (memory: checkpointing none)",
-    "1b_compiled": "1B LNS, seq 2048, bf16, engine, train.compile",
-    "1b_ffn5632": "1B LNS with the FFN width rounded to 5632 (a multiple of 256), eager",
-    "1b_vs_hf_model": "lnstrain model vs HF LlamaForCausalLM, same driver, bf16 autocast",
-    "1b_vs_hf_engine": "lnstrain engine vs HF LlamaForCausalLM",
-    "1b_lns_vs_pre_ln": "LNS vs Pre-LN engines, interleaved",
-    "7b_width_2_layers": "7B width (hidden 4096), 2 layers, seq 4096",
-    "7b_width_4_layers": "7B width (hidden 4096), 4 layers, seq 4096",
-    "1b_memory_full": "1B memory, activation checkpointing full",
-    "1b_memory_selective": "1B memory, activation checkpointing selective",
-}
-"""Every benchmark the check knows, by the name its result is stored under."""
 
 
 @dataclass(frozen=True)
@@ -52,75 +41,112 @@ class Row:
     measured: str
     goal: str
     status: str  # met, missed, info, not measured
-    source: str  # the benchmark (or "tests") it comes from
+    source: str  # the item it comes from
 
 
 def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    """One document from several calls' documents: later stages, tests and benchmarks win."""
+    """One document from several calls' documents: a later call's items and environment win."""
     if not documents:
         raise ValueError("merge_documents needs at least one document")
     for document in documents:
         if document.get("schema") != SCHEMA:
             raise ValueError(f"not a GPU check document (schema {document.get('schema')!r}, expected {SCHEMA!r})")
     merged: dict[str, Any] = {"schema": SCHEMA, "dry_run": any(d.get("dry_run") for d in documents),
-                              "stages": {}, "environment": None, "tests": None, "benchmarks": {}}
+                              "calls": [], "limit_s": documents[-1].get("limit_s"), "environment": None, "items": {}}
     for document in documents:
-        merged["stages"].update(document.get("stages") or {})
-        merged["benchmarks"].update(document.get("benchmarks") or {})
-        for key in ("environment", "tests"):
-            if document.get(key):
-                merged[key] = document[key]
+        merged["calls"] += [call for call in document.get("calls") or [] if call not in merged["calls"]]
+        for name, item in (document.get("items") or {}).items():
+            if item.get("status") != "not started" or name not in merged["items"]:
+                merged["items"][name] = item
+        if document.get("environment"):
+            merged["environment"] = document["environment"]
     return merged
 
 
+def _item(doc: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return (doc.get("items") or {}).get(name)
+
+
 def _report(doc: dict[str, Any], name: str) -> dict[str, Any] | None:
-    run = (doc.get("benchmarks") or {}).get(name)
-    return run.get("report") if run and run.get("exit_code") == 0 else None
+    item = _item(doc, name)
+    return item.get("report") if item and item.get("status") == "done" else None
 
 
 def _not_measured(figure: str, goal: str, source: str, doc: dict[str, Any]) -> Row:
-    run = (doc.get("benchmarks") or {}).get(source)
-    if run is None:
+    item = _item(doc, source)
+    if item is None:
         return Row(figure, "not run", goal, "not measured", source)
-    last_line = next((line.strip() for line in reversed((run.get("output_tail") or "").splitlines()) if line.strip()), "")
-    why = f"failed (exit {run.get('exit_code')})" + (f": {last_line[:160]}" if last_line else "")
+    if item.get("status") in ("skipped", "not started"):
+        return Row(figure, f"{item['status']}: {item.get('note') or ''}".rstrip(": "), goal, "not measured", source)
+    last_line = next((line.strip() for line in reversed((item.get("output_tail") or "").splitlines()) if line.strip()), "")
+    why = f"failed (exit {item.get('exit_code')})" + (f": {last_line[:160]}" if last_line else "")
     return Row(figure, why, goal, "not measured", source)
+
+
+def _ran(doc: dict[str, Any], name: str) -> bool:
+    """Whether the item is in the document (run or attempted): optional items get a row only then."""
+    return _item(doc, name) is not None
+
+
+def environment_rows(doc: dict[str, Any]) -> list[Row]:
+    figure = "(a) environment, offline install of .whl/, one bf16 engine step on CUDA"
+    goal = f"passes, under {ENVIRONMENT_SECONDS_GOAL:.0f} s"
+    item = _item(doc, "environment")
+    if item is None:
+        return [Row(figure, "not run", goal, "not measured", "environment")]
+    step = item.get("engine_step") or {}
+    install = item.get("install") or {}
+    parts = [f"install {install.get('status', '-')}" + (f" in {install['seconds']:.0f} s" if install.get("seconds") else "")]
+    if step.get("loss") is not None:
+        parts.append(f"engine step on {step.get('device', '?')}: loss {step['loss']:.3f}")
+    elif step:
+        parts.append(f"engine step failed: {step.get('error', '?')[:160]}")
+    parts.append(f"{item.get('duration_s', 0):.0f} s in all")
+    met = item.get("status") == "done" and item.get("duration_s", float("inf")) < ENVIRONMENT_SECONDS_GOAL
+    return [Row(figure, "; ".join(parts), goal, _status(met), "environment")]
 
 
 def _status(met: bool) -> str:
     return "met" if met else "missed"
 
 
-def suite_rows(doc: dict[str, Any]) -> list[Row]:
-    tests = doc.get("tests")
-    figure, goal = "GPU test suite (tests/gpu)", f"all pass, under {TEST_SUITE_SECONDS_GOAL:.0f} s"
-    if not tests:
-        return [Row(figure, "not run", goal, "not measured", "tests")]
-    counts = tests.get("counts") or {}
-    passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
-    bad = counts.get("failed", 0) + counts.get("errors", 0)
-    measured = (f"{passed} passed, {counts.get('failed', 0)} failed, {counts.get('errors', 0)} errors, "
-                f"{skipped} skipped in {tests.get('duration_s', 0):.0f} s")
-    met = tests.get("exit_code") == 0 and bad == 0 and skipped == 0 and passed > 0 \
-        and tests.get("duration_s", float("inf")) < TEST_SUITE_SECONDS_GOAL
-    return [Row(figure, measured, goal, _status(met), "tests")]
+def tests_rows(doc: dict[str, Any]) -> list[Row]:
+    rows = []
+    for name, figure, goal_s in (("core_tests", "(d) core GPU tests (pytest -m 'gpu and gpu_core')", CORE_TESTS_SECONDS_GOAL),
+                                 ("full_tests", "the whole GPU suite (pytest -m gpu tests/gpu)", None)):
+        goal = "all pass" + (f", under {goal_s:.0f} s" if goal_s else "")
+        item = _item(doc, name)
+        if item is None or not item.get("tests"):
+            if name == "core_tests" or item is not None:
+                rows.append(_not_measured(figure, goal, name, doc))
+            continue
+        counts = item["tests"].get("counts") or {}
+        passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
+        bad = counts.get("failed", 0) + counts.get("errors", 0)
+        measured = (f"{passed} passed, {counts.get('failed', 0)} failed, {counts.get('errors', 0)} errors, "
+                    f"{skipped} skipped in {item.get('duration_s', 0):.0f} s")
+        met = (item.get("exit_code") == 0 and bad == 0 and skipped == 0 and passed > 0
+               and (goal_s is None or item.get("duration_s", float("inf")) < goal_s))
+        rows.append(Row(figure, measured, goal, _status(met), name))
+    return rows
 
 
 def throughput_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
-    for name, label in (("1b_eager", "eager"), ("1b_compiled", "compiled"), ("1b_ffn5632", "FFN 5632, eager")):
+    for name, label in (("1b_eager", "FFN 5632, eager"), ("1b_compiled", "FFN 5632, compiled"),
+                        ("1b_paper_shape", "the paper's FFN 5461, eager")):
         report = _report(doc, name)
-        figure = f"1B LNS seq 2048 bf16 ({label}): tokens/s, TFLOP/s, MFU"
-        goal = f"MFU >= {MFU_GOAL:.0%}" if name != "1b_ffn5632" else "-"
+        figure = f"(b) 1B LNS seq 2048 bf16, training layout ({label}): tokens/s, TFLOP/s, MFU"
+        goal = f"MFU >= {MFU_GOAL:.0%}" if name != "1b_paper_shape" else "-"
         if report is None:
-            if name in (doc.get("benchmarks") or {}) or name == "1b_eager":
+            if _ran(doc, name) or name != "1b_paper_shape":
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         rate = report["runners"][0]["throughput"]
         mfu = rate.get("mfu")
         measured = (f"{rate['tokens_per_s']:,.0f} tok/s, {rate['tflops_per_device']:.0f} TFLOP/s, "
                     + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (no peak for this device)"))
-        status = "info" if name == "1b_ffn5632" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
+        status = "info" if name == "1b_paper_shape" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
         rows.append(Row(figure, measured, goal, status, name))
     return rows
 
@@ -132,11 +158,11 @@ def _runner_by_kind(report: dict[str, Any], kind: str) -> dict[str, Any] | None:
 def hf_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     for name, side in (("1b_vs_hf_model", "model"), ("1b_vs_hf_engine", "engine")):
-        figure = f"lnstrain {side} / HF LlamaForCausalLM speed (same shape, same run)"
+        figure = f"(f) lnstrain {side} / HF LlamaForCausalLM speed (same shape, same run)"
         goal = f">= {HF_SPEEDUP_GOAL}x"
         report = _report(doc, name)
         if report is None:
-            if name in (doc.get("benchmarks") or {}) or name == "1b_vs_hf_model":
+            if _ran(doc, name) or name == "1b_vs_hf_model":
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         comparison = next((c for c in report["comparisons"] if c["runner"].startswith("hf-")), None)
@@ -166,7 +192,7 @@ def lns_ratio(report: dict[str, Any]) -> tuple[float, tuple[float, float], int] 
 
 
 def lns_rows(doc: dict[str, Any]) -> list[Row]:
-    figure, goal = "LNS / Pre-LN step time (paired, 1B engine)", f"95% CI inside [{LNS_RATIO_BAND[0]}, {LNS_RATIO_BAND[1]}]"
+    figure, goal = "(e) LNS / Pre-LN step time (paired, 1B engines)", f"95% CI inside [{LNS_RATIO_BAND[0]}, {LNS_RATIO_BAND[1]}]"
     report = _report(doc, "1b_lns_vs_pre_ln")
     if report is None:
         return [_not_measured(figure, goal, "1b_lns_vs_pre_ln", doc)]
@@ -224,6 +250,8 @@ def layer_projection(shallow: dict[str, Any], deep: dict[str, Any], layers: int 
 
 def layer_rows(doc: dict[str, Any]) -> list[Row]:
     figure = "7B width (hidden 4096), seq 4096: per-layer MFU; 32-layer projection"
+    if not (_ran(doc, "7b_width_2_layers") or _ran(doc, "7b_width_4_layers")):
+        return []
     shallow, deep = _report(doc, "7b_width_2_layers"), _report(doc, "7b_width_4_layers")
     if shallow is None or deep is None:
         missing = "7b_width_2_layers" if shallow is None else "7b_width_4_layers"
@@ -243,10 +271,10 @@ def memory_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     goal = f"estimate / measured in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]"
     for name, mode in (("1b_eager", "none"), ("1b_memory_full", "full"), ("1b_memory_selective", "selective")):
-        figure = f"--dry-run memory estimate vs measured peak, checkpointing {mode}"
+        figure = f"(c) --dry-run memory estimate vs max_memory_allocated, checkpointing {mode}"
         report = _report(doc, name)
         if report is None:
-            if name in (doc.get("benchmarks") or {}) or mode != "selective":
+            if _ran(doc, name) or mode == "none":
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         memory = report.get("memory") or {}
@@ -255,16 +283,17 @@ def memory_rows(doc: dict[str, Any]) -> list[Row]:
         if ratio is None or measured_bytes is None:
             rows.append(Row(figure, f"not measured: {memory.get('note', 'no memory section')}", goal, "not measured", name))
             continue
-        measured = (f"{ratio:.3f} (estimate {memory['estimated_bytes'] / 2**30:.2f} GiB, "
-                    f"measured {measured_bytes / 2**30:.2f} GiB)")
+        reserved = memory.get("peak_reserved_bytes")
+        measured = (f"{ratio:.3f} (estimate {memory['estimated_bytes'] / 2**30:.2f} GiB, allocated "
+                    f"{measured_bytes / 2**30:.2f} GiB" + (f", reserved {reserved / 2**30:.2f} GiB" if reserved else "") + ")")
         rows.append(Row(figure, measured, goal, _status(MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]), name))
     return rows
 
 
 def summary_rows(doc: dict[str, Any]) -> list[Row]:
     """Every figure of the check with its goal and status, in the issue's order."""
-    return (suite_rows(doc) + throughput_rows(doc) + hf_rows(doc) + lns_rows(doc) + layer_rows(doc)
-            + memory_rows(doc))
+    return (environment_rows(doc) + throughput_rows(doc) + memory_rows(doc) + tests_rows(doc) + lns_rows(doc)
+            + hf_rows(doc) + layer_rows(doc))
 
 
 def _cell(text: str) -> str:
@@ -283,23 +312,23 @@ def environment_line(environment: dict[str, Any] | None) -> str:
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
-    """The summary table, the failures and the commands behind every figure."""
+    """The summary table, the failures, the items not run and the command behind every figure."""
     title = "GPU check" + (" (DRY RUN on the CPU: plumbing only, no GPU figure)" if doc.get("dry_run") else "")
     lines = [f"# {title}", "", environment_line(doc.get("environment")), "",
              "| figure | measured | goal | status | from |", "|---|---|---|---|---|"]
     lines += [f"| {_cell(r.figure)} | {_cell(r.measured)} | {_cell(r.goal)} | {r.status} | {_cell(r.source)} |"
               for r in summary_rows(doc)]
-    tests = doc.get("tests") or {}
-    if tests.get("failures"):
-        lines += ["", "Failed tests:"] + [f"- `{f['test']}`: {_cell(f['message'])}" for f in tests["failures"]]
-    stages = doc.get("stages") or {}
-    unfinished = {name: stage for name, stage in stages.items() if stage.get("status") != "done"}
+    items = doc.get("items") or {}
+    failures = [f for item in items.values() for f in ((item.get("tests") or {}).get("failures") or [])]
+    if failures:
+        lines += ["", "Failed tests:"] + [f"- `{f['test']}`: {_cell(f['message'])}" for f in failures]
+    unfinished = {name: item for name, item in items.items() if item.get("status") != "done"}
     if unfinished:
-        lines += ["", "Stages not completed:"] + [f"- {name}: {stage.get('status')} {stage.get('note') or ''}".rstrip()
-                                                  for name, stage in unfinished.items()]
-    commands = [("tests", tests.get("command"))] + [(name, run.get("command"))
-                                                   for name, run in (doc.get("benchmarks") or {}).items()]
-    lines += ["", "Commands:"] + [f"- {name}: `{command}`" for name, command in commands if command]
+        lines += ["", "Items not done:"] + [f"- {name}: {item.get('status')} {item.get('note') or ''}".rstrip()
+                                            for name, item in unfinished.items()]
+    lines += ["", "Items (seconds taken of seconds allowed) and commands:"]
+    lines += [f"- {name}: {item.get('duration_s') or 0:.0f} of {item.get('allowed_s') or 0:.0f} s"
+              + (f", `{item['command']}`" if item.get("command") else "") for name, item in items.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lnstrain.benchmark.runners import PlainRunner
+from lnstrain.config.feasibility import compiles_layers
 from lnstrain.config.run_config import Config
 from lnstrain.model.config import ModelConfig, NormScheme
 
@@ -73,9 +74,9 @@ class HFRunner(PlainRunner):
         model = build_hf_model(config.model)
         if mode == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.train.compile:
+        if compiles_layers(config, device.type):
             for layer in model.model.layers:
-                layer.compile()
+                layer.compile(backend=config.train.compile_backend)
         self.vocab_size = config.model.vocab_size
         super().__init__(name, model, config, device, micro_batches)
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lnstrain.benchmark.profile import format_profile
+from lnstrain.config.feasibility import compiles_layers
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, FlopsPerToken
 
@@ -57,14 +58,15 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
     }
 
 
-def shape(config: Config, world_size: int) -> dict[str, Any]:
+def shape(config: Config, world_size: int, device_type: str) -> dict[str, Any]:
     model, train = config.model, config.train
     return {
         "seq_len": config.data.seq_len, "global_batch_size": train.global_batch_size,
         "micro_batch_size": train.micro_batch_size,
         "grad_accumulation_steps": config.grad_accumulation_steps(world_size),
         "tokens_per_step": config.tokens_per_step, "dtype": config.precision.dtype,
-        "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
+        "compile": compiles_layers(config, device_type), "compile_setting": train.compile,
+        "compile_backend": train.compile_backend, "activation_checkpointing": train.activation_checkpointing,
         "tensor": config.parallel.tensor, "pipeline": config.parallel.pipeline,
         "zero_stage": config.parallel.zero_stage,
         "model": {"hidden_size": model.hidden_size, "num_layers": model.num_layers, "num_heads": model.num_heads,

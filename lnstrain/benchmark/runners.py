@@ -144,7 +144,7 @@ class ModelRunner(PlainRunner):
 
     def __init__(self, name: str, config: Config, device: torch.device,
                  micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        model = build_model(config, ParallelGroups.single_process())
+        model = build_model(config, ParallelGroups.single_process(), device.type)
         super().__init__(name, model, config, device, micro_batches)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,26 @@ class CheckpointConfig:
             (zero) optimizer moments.
         allow_pickle: trust this run's checkpoints: load DeepSpeed's files even where their pickle
             names classes beyond the allow-list (``--allow-pickle``; docs/checkpoints.md).
+        allow_unverified: use a checkpoint whose files cannot be verified: one saved by an lnstrain
+            before checksums, or, with ``signing_key_file``, an unsigned one (``--allow-unverified``).
+            A damaged or forged checkpoint is never used.
+        signing_key_file: a file holding a secret key (at least 32 bytes, mode 600, outside the run
+            and checkpoint directories). Each save signs its completion marker with it (HMAC-SHA256
+            of every file's name, size and SHA-256), and a resume uses only checkpoints signed with
+            it: anyone who can write the run directory but not read the key cannot make a
+            checkpoint this run loads. Unset (the default): no signatures.
         verify_checksums: on resume, compare every file's SHA-256 with what its save recorded (one
             extra read of the checkpoint before loading it). ``false`` checks sizes and the pickle
             scan only: for very large checkpoints on a slow file system, at the price of loading a
             file whose bytes changed but not its size.
+        async_save: write checkpoints in the background: a save copies the state to host memory at
+            the step boundary and training goes on while a thread writes, hashes and fsyncs the files;
+            the checkpoint becomes ``latest`` at a later step boundary, once every rank's files are
+            written (docs/checkpoints.md, "Saves in the background"). Unset (the default): on, unless
+            the ``deepspeed:`` section selects another DeepSpeed checkpoint engine, which saves
+            synchronously with a warning; a snapshot that does not fit in host memory is written at
+            once instead, with a warning. ``true``: on, and a run where it cannot be stops before it
+            starts (exit 2). ``false``: every save blocks training until its files are written.
     """
 
     dir: str | None = None
@@ -51,7 +67,10 @@ class CheckpointConfig:
     init_from_unfold_lns: bool | None = None
     reshard_with_fresh_optimizer: bool = False
     allow_pickle: bool = False
+    allow_unverified: bool = False
+    signing_key_file: str | None = None
     verify_checksums: bool = True
+    async_save: bool | None = None
 
     def validate(self) -> list[str]:
         problems = []

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from lnstrain.checkpoint.safe_load import load_tensors
 from lnstrain.checkpoint.safetensors_io import save_safetensors
 from lnstrain.checkpoint.sharding import check_full_state_dict
+from lnstrain.checkpoint.verifier import Trust
 from lnstrain.config.run_config import Config, config_from_dict
 from lnstrain.model.config import ModelConfig
 
@@ -48,10 +49,11 @@ def load_consolidated(path: str | os.PathLike) -> tuple[Config | None, dict[str,
     return config, load_file(str(path))
 
 
-def load_init_state_dict(path: str | os.PathLike, model_cfg: ModelConfig, unfold_lns: bool | None = None
-                         ) -> dict[str, torch.Tensor]:
+def load_init_state_dict(path: str | os.PathLike, model_cfg: ModelConfig, unfold_lns: bool | None = None,
+                         trust: Trust = Trust()) -> dict[str, torch.Tensor]:
     """The single-process state dict that ``checkpoint.init_from`` names (see the module docstring).
-    ``unfold_lns`` is for a Hugging Face directory (``hf_io.load_hf_llama_state_dict``)."""
+    ``unfold_lns`` is for a Hugging Face directory (``hf_io.load_hf_llama_state_dict``); an lnstrain
+    checkpoint is the one ``verifier.open_checkpoint`` chooses under ``trust`` (the run's opt-ins and key)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
         state = load_consolidated(path)[1]
@@ -62,9 +64,9 @@ def load_init_state_dict(path: str | os.PathLike, model_cfg: ModelConfig, unfold
 
         state = load_hf_llama_state_dict(path, model_cfg, unfold_lns)
     elif path.is_dir():
-        from lnstrain.checkpoint.layouts import load_full_state_dict
+        from lnstrain.checkpoint.layouts import load_consolidated_state_dict
 
-        state = load_full_state_dict(path)
+        state = load_consolidated_state_dict(path, trust)[1]
     else:
         raise FileNotFoundError(f"checkpoint.init_from: {path} does not exist")
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):

@@ -52,24 +52,39 @@ def _special_tokens(tokenizer_path: str | None) -> dict[str, tuple[int, str]]:
     return {name: (i, sp.id_to_piece(i)) for name, i in ids.items() if i >= 0}
 
 
-def _write_tokenizer(output: Path, tokenizer_path: str | None, special: dict, max_len: int) -> None:
+def write_tokenizer_files(output: Path, tokenizer_path: str | None, max_len: int) -> bool:
+    """The run's sentencepiece model as a ``LlamaTokenizer`` (``tokenizer.model``, ``tokenizer_config.json``,
+    ``special_tokens_map.json``) in ``output``; False (and a warning) when ``tokenizer_path`` is not a file."""
+    special = _special_tokens(tokenizer_path)
     if not special:
         logger.warning("no tokenizer written: data.tokenizer (%s) is not a file", tokenizer_path)
-        return
+        return False
     shutil.copyfile(tokenizer_path, output / "tokenizer.model")
     tokens = {f"{name}_token": piece for name, (_, piece) in special.items()}
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": "bos" in special, "add_eos_token": False,
               "model_max_length": max_len, "clean_up_tokenization_spaces": False, "legacy": False, **tokens}
     (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (output / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n", encoding="utf-8")
+    return True
+
+
+def export_config(cfg: ModelConfig, dtype: str, tokenizer_path: str | None) -> dict:
+    """The export's config.json: ``hf_llama.hf_config`` with the tokenizer's BOS and EOS ids."""
+    special = _special_tokens(tokenizer_path)
+    return hf_config(cfg, dtype, *(special.get(k, (None,))[0] for k in ("bos", "eos")))
+
+
+def export_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
+    """The export's tensors (Hugging Face names, LNS factors folded in) in ``dtype`` ("fp32", "bf16", "fp16")."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
+    return {name: tensor.to(_DTYPES[dtype]) for name, tensor in to_hf_state_dict(state, cfg).items()}
 
 
 def save_hf_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, output: str | os.PathLike,
                        dtype: str = "bf16", shard_size: str = "5GB", tokenizer_path: str | None = None) -> Path:
     """Write ``state`` (lnstrain's single-process state dict) as a Hugging Face LLaMA directory."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
-    hf_state = {name: tensor.to(_DTYPES[dtype]) for name, tensor in to_hf_state_dict(state, cfg).items()}
+    hf_state = export_tensors(state, cfg, dtype)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     shards = list(shards_by_size(hf_state, parse_size(shard_size)))
@@ -84,12 +99,11 @@ def save_hf_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, output:
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    special = _special_tokens(tokenizer_path)
-    config = hf_config(cfg, dtype, *(special.get(k, (None,))[0] for k in ("bos", "eos")))
+    config = export_config(cfg, dtype, tokenizer_path)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     (output / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
-    _write_tokenizer(output, tokenizer_path, special, cfg.max_seq_len)
+    write_tokenizer_files(output, tokenizer_path, cfg.max_seq_len)
     logger.info("wrote a Hugging Face LLaMA checkpoint to %s: %d tensors in %d shard(s), %s", output,
                 len(hf_state), len(shards), dtype)
     return output

@@ -9,18 +9,25 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.param_names import single_process_shapes
 from lnstrain.checkpoint.sharding import check_full_state_dict
 from lnstrain.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    from lnstrain.checkpoint.verifier import Trust
+
 KEY = "checkpoint.init_from"
 
 
-def init_from_problems(path: str, model_cfg: ModelConfig, unfold_lns: bool | None) -> list[str]:
-    """Every problem with the weights ``path`` names (a missing path is ``CheckpointConfig.validate``'s)."""
+def init_from_problems(path: str, model_cfg: ModelConfig, unfold_lns: bool | None,
+                       trust: Trust | None = None) -> list[str]:
+    """Every problem with the weights ``path`` names (a missing path is ``CheckpointConfig.validate``'s);
+    an lnstrain checkpoint must verify under ``trust`` (the run's opt-ins and key)."""
     path_ = Path(path)
     if not path_.exists():
         return []
@@ -34,7 +41,7 @@ def init_from_problems(path: str, model_cfg: ModelConfig, unfold_lns: bool | Non
             return []
         if (path_ / "config.json").is_file():
             return _hugging_face_problems(path_, model_cfg, unfold_lns)
-        return _lnstrain_checkpoint_problems(path_, model_cfg)
+        return _lnstrain_checkpoint_problems(path_, model_cfg, trust)
     except OSError as error:
         return [f"{KEY}: cannot read {path}: {error}"]
 
@@ -92,14 +99,15 @@ def _hugging_face_problems(directory: Path, model_cfg: ModelConfig, unfold_lns: 
     return problems
 
 
-def _lnstrain_checkpoint_problems(path: Path, model_cfg: ModelConfig) -> list[str]:
-    from lnstrain.checkpoint.layouts import read_step_config, resolve_step_dir
+def _lnstrain_checkpoint_problems(path: Path, model_cfg: ModelConfig, trust: Trust | None) -> list[str]:
+    from lnstrain.checkpoint.layouts import read_step_config
+    from lnstrain.checkpoint.verifier import QUICK, Trust, open_checkpoint
     from lnstrain.config.loader import ConfigError
 
     try:
-        step_dir = resolve_step_dir(path)
+        step_dir = open_checkpoint(path, trust or Trust(), depth=QUICK)
         saved = read_step_config(step_dir).model
-    except FileNotFoundError as error:
+    except (CheckpointError, FileNotFoundError) as error:
         return [f"{KEY}: {error}"]
     except ConfigError as error:
         return [f"{KEY}: the config saved in {path} cannot be read: {'; '.join(error.problems)}"]

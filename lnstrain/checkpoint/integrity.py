@@ -1,16 +1,16 @@
-"""What a checkpoint's completion marker records about its files, and checking files against it.
+"""What a checkpoint's completion marker records about its files, and how it is written and read.
 
 Each save records every file it wrote in ``lnstrain_complete``: path (relative to the step
 directory), size, SHA-256 and the rank that wrote it. DeepSpeed's files are hashed while they are
 written (``recording_deepspeed_files`` streams torch's writer through ``ChecksumWriter``, so the
 shards are never read back); lnstrain's few small files (metadata, config, RNG states) are read back
-once after writing. A file whose size or hash differs, or that is missing or unreadable, makes the
-checkpoint fail verification; a checkpoint whose marker predates these records (an older lnstrain) is
-reported as unverified and still used.
+once after writing. With ``checkpoint.signing_key_file`` the marker is also signed
+(``lnstrain.checkpoint.signing``). Checking a checkpoint against its marker is
+``lnstrain.checkpoint.verifier``'s.
 
-``check_step_dir`` also lists the classes a ``.pt`` file's pickle names beyond what
-``lnstrain.checkpoint.safe_load`` allows, read without unpickling, so every rank can agree that a
-checkpoint is unsafe before any of them loads it.
+``read_marker`` is strict: a marker is either the JSON this module writes, or exactly what an
+lnstrain before file records wrote (a time and a newline: ``Marker.files`` is None); anything else
+(a flipped bit, an empty file, a truncated one) is damaged, never taken for the older format.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,13 +30,14 @@ from typing import Any
 import torch
 
 from lnstrain.checkpoint.engine_hooks import replaced
-from lnstrain.checkpoint.metadata import COMPLETE_MARKER, RNG_DIR
-from lnstrain.checkpoint.safe_load import unsafe_globals
+from lnstrain.checkpoint.metadata import COMPLETE_MARKER, write_atomically
+from lnstrain.checkpoint.signing import SigningKey, signature
 from lnstrain.deepspeed_adapter import CheckpointFileIO, torch_save_zip_format
+from lnstrain.no_follow import open_regular_file, read_regular_file
 
 CHECKSUM = "sha256"
-MARKER_FORMAT = 2
-"""1: the marker held a time only; 2: it also records every file (``files``)."""
+MARKER_FORMAT = 3
+"""What this lnstrain writes (``MARKER_FORMATS``)."""
 _CHUNK = 8 << 20
 
 
@@ -88,10 +90,11 @@ class ChecksumWriter:
 
 
 def file_record(path: str | os.PathLike, rank: int) -> FileRecord:
-    """Size and SHA-256 of a file on disk (read in 8 MiB chunks)."""
+    """Size and SHA-256 of a regular file on disk (read in 8 MiB chunks; a link is refused:
+    ``no_follow.LinkRefused``)."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as handle:
+    with os.fdopen(open_regular_file(path), "rb") as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -145,132 +148,98 @@ def recording_deepspeed_files(file_io: CheckpointFileIO, step_dir: Path,
 
 
 # --- the completion marker ----------------------------------------------------------------------------
-def marker_text(records: dict[str, FileRecord]) -> str:
+# --- the completion marker ----------------------------------------------------------------------------
+MARKER_FORMATS = (2, 3)
+"""Formats read: 1, a time only (``LEGACY_MARKER``); 2, every file's record (``files``); 3, also the
+step directory's name (``step_dir``) and, with a signing key, ``signature``."""
+LEGACY_MARKER = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?\n")
+MAX_MARKER_BYTES = 64 << 20
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class MarkerError(ValueError):
+    """A completion marker that is neither this module's JSON nor the older time-only marker."""
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A parsed completion marker."""
+
+    files: dict[str, FileRecord] | None
+    """Every file its save wrote; None for a marker written before lnstrain recorded files."""
+    content: dict[str, Any] = field(default_factory=dict)
+    """The marker's JSON (what a signature covers)."""
+
+
+def marker_text(step_dir_name: str, records: dict[str, FileRecord], key: SigningKey | None = None) -> str:
     files = {name: asdict(records[name]) for name in sorted(records)}
-    return json.dumps({"format": MARKER_FORMAT, "saved_at": time.time(), "checksum": CHECKSUM, "files": files},
-                      indent=1) + "\n"
+    content: dict[str, Any] = {"format": MARKER_FORMAT, "saved_at": time.time(), "checksum": CHECKSUM,
+                               "step_dir": step_dir_name, "files": files}
+    if key is not None:
+        content["signature"] = signature(content, key)
+    return json.dumps(content, indent=1) + "\n"
 
 
-def read_manifest(step_dir: str | os.PathLike) -> dict[str, FileRecord] | None:
-    """The files ``step_dir``'s completion marker records; None for a marker without records (written
-    by an lnstrain before they existed). Raises ``ValueError`` for a marker that cannot be parsed."""
+def write_marker(step_dir: Path, records: dict[str, FileRecord], key: SigningKey | None) -> None:
+    """Write ``step_dir``'s completion marker recording ``records`` (every rank's files), signed
+    with ``key`` when given: the step that makes the checkpoint complete."""
+    write_atomically(step_dir / COMPLETE_MARKER, marker_text(step_dir.name, records, key))
+
+
+def safe_relative_name(name: Any) -> bool:
+    """A path a marker may record: relative, inside its directory, in POSIX form, nothing odd."""
+    if not isinstance(name, str) or not name or len(name) > 1024 or "\\" in name or "\x00" in name:
+        return False
+    parts = name.split("/")
+    return all(part not in ("", ".", "..") and len(part) <= 255 for part in parts) and name != COMPLETE_MARKER
+
+
+def _record(name: str, entry: Any) -> FileRecord:
+    if not safe_relative_name(name):
+        raise MarkerError(f"it records {name!r}, which is not a file name inside its directory")
+    if not isinstance(entry, dict):
+        raise MarkerError(f"its record of {name} is not a mapping")
+    size, sha256, rank = entry.get("size"), entry.get("sha256"), entry.get("rank")
+    if not (type(size) is int and size >= 0 and type(rank) is int and rank >= 0
+            and isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
+        raise MarkerError(f"its record of {name} is malformed ({entry!r:.120})")
+    return FileRecord(size, sha256, rank)
+
+
+def parse_marker(data: bytes, step_dir_name: str) -> Marker:
+    """The marker ``data`` of directory ``step_dir_name``; raises ``MarkerError`` saying what is wrong."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MarkerError("it is not UTF-8 text") from None
+    if LEGACY_MARKER.fullmatch(text):
+        return Marker(None)
+    try:
+        content = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise MarkerError(f"it is not the JSON lnstrain writes ({error})" if text else "it is empty") from None
+    if not isinstance(content, dict):
+        raise MarkerError("it is not a JSON object")
+    if content.get("format") not in MARKER_FORMATS or content.get("checksum") != CHECKSUM:
+        raise MarkerError(f"format {content.get('format')!r} with checksum {content.get('checksum')!r} is not one "
+                          f"this lnstrain reads (formats {MARKER_FORMATS}, {CHECKSUM})")
+    if content["format"] >= 3 and content.get("step_dir") != step_dir_name:
+        raise MarkerError(f"it was written for {content.get('step_dir')!r}, not {step_dir_name} (a renamed "
+                          "or copied directory)")
+    files = content.get("files")
+    if not isinstance(files, dict) or not files:
+        raise MarkerError("it records no files")
+    return Marker({name: _record(name, entry) for name, entry in files.items()}, content)
+
+
+def read_marker(step_dir: str | os.PathLike) -> Marker:
+    """``step_dir``'s completion marker. Raises ``FileNotFoundError`` when there is none (an
+    interrupted save), ``MarkerError`` when it is damaged (or a link, or not a regular file)."""
     path = Path(step_dir) / COMPLETE_MARKER
-    text = path.read_text(encoding="utf-8")
-    if not text.lstrip().startswith("{"):
-        return None
     try:
-        files = json.loads(text)["files"]
-        return {name: FileRecord(int(entry["size"]), str(entry["sha256"]), int(entry["rank"]))
-                for name, entry in files.items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{path} is damaged ({type(error).__name__}: {error})") from error
-
-
-# --- checking files ---------------------------------------------------------------------------------
-def file_problem(step_dir: Path, name: str, record: FileRecord, checksum: bool = True) -> str | None:
-    """Why ``step_dir/name`` is not what its save wrote (missing, other size, other bytes; the bytes
-    only with ``checksum``), or None."""
-    path = step_dir / name
-    try:
-        size = path.stat().st_size
-        if size != record.size:
-            return f"{path}: {size} bytes, but its save wrote {record.size} (truncated or overwritten)"
-        if not checksum:
-            return None
-        found = file_record(path, record.rank)
+        data = read_regular_file(path, MAX_MARKER_BYTES)
     except FileNotFoundError:
-        return f"{path}: missing (its save wrote it)"
-    except OSError as error:
-        return f"{path}: cannot be read ({error.strerror or error})"
-    if found.sha256 != record.sha256:
-        return (f"{path}: its bytes differ from what its save wrote (sha256 {found.sha256[:16]}…, "
-                f"recorded {record.sha256[:16]}…)")
-    return None
-
-
-def unsafe_problem(path: Path) -> str | None:
-    """What a ``.pt`` file's pickle names beyond the allow-list, or None (also for a file that cannot
-    be inspected: the loader refuses or rejects it then)."""
-    if path.suffix != ".pt":
-        return None
-    names = unsafe_globals(path)
-    if not names:
-        return None
-    return f"{path}: its pickle names {', '.join(names)}"
-
-
-@dataclass
-class Verdict:
-    """What checking (a share of) one checkpoint's files found."""
-
-    step_dir: Path
-    corrupt: list[str] = field(default_factory=list)
-    """Missing, truncated, altered or unreadable files (one line each, naming the file)."""
-    unsafe: list[str] = field(default_factory=list)
-    """DeepSpeed's files whose pickle names classes beyond the allow-list (loading them could run code;
-    ``checkpoint.allow_pickle`` loads them for a trusted checkpoint)."""
-    altered: list[str] = field(default_factory=list)
-    """lnstrain's own files (RNG state) whose pickle names classes beyond tensors: lnstrain never
-    writes such a file, so it was altered after its save, and no opt-in loads it."""
-    recorded: bool = True
-    """False: the marker predates file records; sizes and contents could not be checked."""
-    files: int = 0
-    bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.corrupt and not self.unsafe and not self.altered
-
-    def merge(self, other: "Verdict") -> None:
-        self.corrupt += other.corrupt
-        self.unsafe += other.unsafe
-        self.altered += other.altered
-        self.files += other.files
-        self.bytes += other.bytes
-        self.recorded = self.recorded and other.recorded
-
-
-def _files_on_disk(step_dir: Path) -> list[str]:
-    return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*")
-                  if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith("."))
-
-
-def check_step_dir(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1), checksums: bool = True) -> Verdict:
-    """Check ``step_dir``'s files against its completion marker, and scan its ``.pt`` files' pickles.
-
-    ``share`` = (rank, world size): check only this rank's share of the files, each file on the rank
-    that wrote it when that rank exists (its page cache may still hold it), else spread by position.
-    Every rank calls it with its share and the verdicts are merged (``Verdict.merge``). Without
-    ``checksums`` files are compared by size only (``checkpoint.verify_checksums: false``).
-    """
-    step_dir = Path(step_dir)
-    rank, world_size = share
-    verdict = Verdict(step_dir)
-    try:
-        manifest = read_manifest(step_dir)
+        raise
     except (OSError, ValueError) as error:
-        verdict.corrupt.append(f"{step_dir / COMPLETE_MARKER}: cannot be read: {error}")
-        return verdict
-    if manifest is None:
-        verdict.recorded = False
-        names = _files_on_disk(step_dir)
-        owners = [i % world_size for i in range(len(names))]
-    else:
-        names = sorted(manifest)
-        owners = [manifest[n].rank if manifest[n].rank < world_size else i % world_size for i, n in enumerate(names)]
-    for name, owner in zip(names, owners):
-        if owner != rank:
-            continue
-        if manifest is not None:
-            problem = file_problem(step_dir, name, manifest[name], checksums)
-            if problem:
-                verdict.corrupt.append(problem)
-            verdict.bytes += manifest[name].size
-        verdict.files += 1
-        unsafe = unsafe_problem(step_dir / name) if (step_dir / name).is_file() else None
-        if unsafe and name.startswith(f"{RNG_DIR}/"):
-            verdict.altered.append(f"{unsafe}; lnstrain writes only tensors there, so the file was altered "
-                                   "after its save, and no opt-in loads it")
-        elif unsafe:
-            verdict.unsafe.append(unsafe)
-    return verdict
+        raise MarkerError(f"it cannot be read ({getattr(error, 'strerror', None) or error})") from None
+    return parse_marker(data, Path(step_dir).name)

@@ -33,17 +33,18 @@ from typing import Any
 
 import torch
 
-from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, is_complete, read_metadata, step_of
+from lnstrain.checkpoint.deepspeed_files import OPTIMIZER_PARTITION
+from lnstrain.checkpoint.manager import CLIENT_STATE_KEY
+from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, read_metadata, saved_config_data
 from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_of, saved_pipeline_name_mapper,
                                              single_process_shapes, tensor_parallel_template)
 from lnstrain.checkpoint.safe_load import load_deepspeed_file, zero3_fp32_weights
-from lnstrain.config.run_config import Config, load_config
-from lnstrain.run_files import CHECKPOINTS_DIR
+from lnstrain.checkpoint.verifier import Trust, open_checkpoint
+from lnstrain.config.run_config import Config, config_from_dict
 
 logger = logging.getLogger(__name__)
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-_ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -68,36 +69,26 @@ class FullState:
     engine_counters: dict[str, int] = field(default_factory=dict)
     """DeepSpeed's ``global_steps``, ``global_samples``, ``skipped_steps``."""
     weights_source: str = ""
+    saved_position: dict | None = None
+    """The training position the save gave DeepSpeed (``manager.CLIENT_STATE_KEY``), when recorded."""
 
 
-# --- finding the step directory and its config ------------------------------------------------------
-def resolve_step_dir(path: str | os.PathLike) -> Path:
-    """A ``global_step<N>`` directory, a checkpoint directory (its newest complete step) or a run
-    directory (its ``checkpoints/``) -> the step directory."""
-    from lnstrain.checkpoint.manager import newest_checkpoint
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (give a run directory, its checkpoints/ or a global_step<N>)")
-    if step_of(path) is not None:
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (its save was interrupted); "
-                                    "pick another global_step<N> or the checkpoint directory")
-        return path
-    for directory in (path, path / CHECKPOINTS_DIR):
-        found = newest_checkpoint(directory)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"{path} holds no complete global_step<N> checkpoint "
-                            f"(nor does {path / CHECKPOINTS_DIR})")
+# --- the step directory and its config -------------------------------------------------------------
+def resolve_step_dir(path: str | os.PathLike, trust: Trust | None = None) -> Path:
+    """A ``global_step<N>`` directory, a checkpoint directory or a run directory -> the step directory
+    to read, verified (``verifier.open_checkpoint``: the one a resume would choose, under ``trust``; no
+    opt-ins when None). Raises ``CheckpointError`` (a ``ValueError``) saying why none may be read."""
+    return open_checkpoint(path, trust or Trust())
 
 
 def read_step_config(step_dir: str | os.PathLike) -> Config:
-    """The resolved run config saved in the step directory."""
+    """The resolved run config saved in the step directory (a verified one: ``verifier``). It is the
+    config as resolved, so a ``base:`` in it, which would read another file, is refused."""
     path = Path(step_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} is missing: not an lnstrain checkpoint (no resolved config)")
-    return load_config(path, validate=False)
+    data = saved_config_data(path)
+    return config_from_dict(data, source=str(path))
 
 
 def read_saved_layout(step_dir: str | os.PathLike, allow_pickle: bool = False) -> SavedLayout:
@@ -155,7 +146,7 @@ def _zero_partitions(step_dir: Path, layout: SavedLayout, allow_pickle: bool
     """Per tensor rank: {"weight"|"exp_avg"|"exp_avg_sq": {saved name: tensor}} from ZeRO-1/2 files."""
     files: dict[int, dict[int, Path]] = defaultdict(dict)
     for path in step_dir.iterdir():
-        match = _ZERO_FILE.match(path.name)
+        match = OPTIMIZER_PARTITION.fullmatch(path.name)
         if match:
             files[int(match.group(3))][int(match.group(2))] = path
     per_rank: list[dict[str, dict[str, torch.Tensor]]] = [defaultdict(dict) for _ in range(layout.tensor)]
@@ -217,7 +208,7 @@ def read_full_state(step_dir: str | os.PathLike, config: Config | None = None, w
     config = config or read_step_config(step_dir)
     layout = read_saved_layout(step_dir, allow_pickle)
     states = load_deepspeed_file(model_states_file(step_dir), allow_pickle)
-    result = FullState(weights={}, scheduler_state=states.get("lr_scheduler"),
+    result = FullState(weights={}, scheduler_state=states.get("lr_scheduler"), saved_position=states.get(CLIENT_STATE_KEY),
                        engine_counters={k: int(states.get(k) or 0) for k in ("global_steps", "global_samples",
                                                                              "skipped_steps")})
     if layout.zero_stage == 3:
@@ -226,7 +217,7 @@ def read_full_state(step_dir: str | os.PathLike, config: Config | None = None, w
         logger.warning("%s: ZeRO-3 optimizer moments are not read (weights only)", step_dir)
         return result
     zero, step = _zero_partitions(step_dir, layout, allow_pickle) if layout.zero_stage in (1, 2) or any(
-        _ZERO_FILE.match(p.name) for p in step_dir.iterdir()) else ([], None)
+        OPTIMIZER_PARTITION.fullmatch(p.name) for p in step_dir.iterdir()) else ([], None)
     if zero and zero[0].get("weight"):
         result.weights = _join([z["weight"] for z in zero], config, layout, str(step_dir))
         result.weights_source = "fp32 master weights (ZeRO partitions)"
@@ -241,16 +232,14 @@ def read_full_state(step_dir: str | os.PathLike, config: Config | None = None, w
     return result
 
 
-def load_full_state_dict(path: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """The single-process fp32 state dict of the checkpoint at ``path`` (run, checkpoint or step dir)."""
-    return read_full_state(resolve_step_dir(path), with_optimizer=False, allow_pickle=allow_pickle).weights
-
-
-def load_consolidated_state_dict(path: str | os.PathLike) -> tuple[Config, dict[str, torch.Tensor]]:
-    """(resolved run config, single-process fp32 state dict) of a checkpoint of any layout."""
-    step_dir = resolve_step_dir(path)
+def load_consolidated_state_dict(path: str | os.PathLike, trust: Trust = Trust()
+                                 ) -> tuple[Config, dict[str, torch.Tensor]]:
+    """(resolved run config, single-process fp32 state dict) of the checkpoint at ``path`` (run,
+    checkpoint or step directory; the one ``verifier.open_checkpoint`` chooses), any layout. Raises
+    ``CheckpointError`` when no checkpoint there verifies under ``trust``."""
+    step_dir = resolve_step_dir(path, trust)
     config = read_step_config(step_dir)
-    return config, read_full_state(step_dir, config, with_optimizer=False).weights
+    return config, read_full_state(step_dir, config, with_optimizer=False, allow_pickle=trust.allow_pickle).weights
 
 
 def describe(state: FullState) -> dict[str, Any]:

@@ -5,7 +5,9 @@ saved); every rank writes its DeepSpeed shards and its RNG file, hashing them as
 rank 0 writes the metadata; every rank fsyncs; gathering every rank's file records proves all ranks
 are done; only then rank 0 writes the completion marker (with those records) and replaces ``latest``
 atomically. Until that last rename, ``latest`` names the previous checkpoint, which is untouched, so
-an interrupted save costs only the interrupted step's work.
+an interrupted save costs only the interrupted step's work. With ``checkpoint.async_save`` the files
+are written by a thread from a snapshot taken at the step boundary, and the same publication happens
+at a later step boundary, on the main thread (``lnstrain.checkpoint.async_save``).
 
 A load first verifies the checkpoint's files against their records, each rank a share
 (``verified_checkpoint``), falling back to the newest older checkpoint that verifies, and then reads
@@ -14,6 +16,7 @@ every file with ``weights_only`` (``lnstrain.checkpoint.safe_load``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -25,16 +28,18 @@ import torch.distributed as dist
 
 import lnstrain
 from lnstrain.checkpoint import save_points
+from lnstrain.checkpoint.async_save import BackgroundWrite, SnapshotBuffers, staging_deepspeed_files
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.finite_state import nonfinite_state
-from lnstrain.checkpoint.integrity import (FileRecord, Verdict, check_step_dir, file_record, marker_text,
-                                           recording_deepspeed_files)
+from lnstrain.checkpoint.integrity import FileRecord, file_record, recording_deepspeed_files, write_marker
+from lnstrain.checkpoint.locations import complete_step_dirs, newest_checkpoint, read_latest, remove_links
 from lnstrain.checkpoint.metadata import (CONFIG_FILE, COMPLETE_MARKER, METADATA_FILE, CheckpointMetadata,
-                                          fsync_tree, is_complete, load_rng_state, read_metadata,
+                                          capture_rng_state, fsync_tree, is_complete, load_rng_state, read_metadata,
                                           restore_rng_state, rng_file, save_rng_state, step_dir_name, step_of,
                                           write_atomically)
-from lnstrain.checkpoint.safe_load import OPT_IN, loading_safely
+from lnstrain.checkpoint.safe_load import loading_safely
 from lnstrain.checkpoint.save_agreement import HeldFailure, holding_deepspeed_failures, raise_if_any_failed
+from lnstrain.checkpoint.verifier import Trust, Verdict, check_step_dir, choose_checkpoint
 from lnstrain.run_files import LATEST_FILE
 
 if TYPE_CHECKING:
@@ -42,66 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-# --- finding checkpoints (pure functions: usable before any process group exists) -------------------
-def complete_step_dirs(checkpoint_dir: str | Path) -> list[Path]:
-    """Complete ``global_step<N>`` directories under ``checkpoint_dir``, oldest first."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        return []
-    found = [p for p in checkpoint_dir.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
-    return sorted(found, key=step_of)
-
-
-def read_latest(checkpoint_dir: str | Path) -> Path | None:
-    """The directory ``<checkpoint_dir>/latest`` names, or None when there is no ``latest``."""
-    latest = Path(checkpoint_dir) / LATEST_FILE
-    if not latest.is_file():
-        return None
-    return Path(checkpoint_dir) / latest.read_text(encoding="utf-8").strip()
-
-
-def newest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """What ``checkpoint_dir`` resumes from: the step ``latest`` names when complete, else the newest
-    complete step directory; incomplete (interrupted) step directories are never chosen."""
-    named = read_latest(checkpoint_dir)
-    if named is not None and is_complete(named):
-        return named
-    complete = complete_step_dirs(checkpoint_dir)
-    if named is not None:
-        logger.warning("%s/latest names %s, which is not a complete checkpoint; using %s instead",
-                       checkpoint_dir, named.name, complete[-1].name if complete else "none (starting fresh)")
-    return complete[-1] if complete else None
-
-
-def resolve_resume(resume: str, checkpoint_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """(step directory to resume from or None, problems) for ``checkpoint.resume``.
-
-    ``auto``: this run's newest checkpoint if any; ``none``: start fresh, refusing a checkpoint
-    directory that already holds checkpoints; otherwise a checkpoint directory or one step directory.
-    """
-    if resume == "auto":
-        return newest_checkpoint(checkpoint_dir), []
-    if resume == "none":
-        existing = newest_checkpoint(checkpoint_dir)
-        if existing is not None:
-            return None, [f"checkpoint.resume is 'none' but {checkpoint_dir} already holds checkpoints "
-                          f"(newest: {existing.name}); use checkpoint.resume: auto to continue that run, "
-                          "or choose another run.name or checkpoint.dir"]
-        return None, []
-    path = Path(resume)
-    if not path.exists():
-        return None, [f"checkpoint.resume: {path} does not exist (give a checkpoint directory, a "
-                      "global_step<N> directory, 'auto' or 'none')"]
-    if step_of(path) is not None:
-        if not is_complete(path):
-            return None, [f"checkpoint.resume: {path} is not a complete checkpoint (no {COMPLETE_MARKER}: "
-                          "its save was interrupted); pick an older global_step<N> or the checkpoint directory"]
-        return path, []
-    found = newest_checkpoint(path)
-    if found is None:
-        return None, [f"checkpoint.resume: {path} holds no complete global_step<N> checkpoint"]
-    return found, []
+CLIENT_STATE_KEY = "lnstrain_position"
+"""Under this key each save also gives its ``TrainingPosition`` to DeepSpeed's model-states file."""
 
 
 def data_mismatch_problems(metadata: CheckpointMetadata, step_dir: Path, data_fingerprint: str | None,
@@ -117,6 +64,19 @@ def data_mismatch_problems(metadata: CheckpointMetadata, step_dir: Path, data_fi
         problems.append(f"tokenizer changed since {step_dir}: the checkpoint's tokenizer checksum is "
                         f"{metadata.tokenizer_checksum}, this run's (data.tokenizer) is {tokenizer_checksum}; {hint}")
     return problems
+
+
+def position_problems(metadata: CheckpointMetadata, saved: Any, step_dir: Path) -> list[str]:
+    """Where the metadata's training position differs from the one the save also gave DeepSpeed
+    (``client_state``, in the model-states file). Both are written from one position by one save, so
+    a difference means one was rewritten (with its checksum: a run without a signing key). ``saved``:
+    the ``CLIENT_STATE_KEY`` entry of the model-states file."""
+    if not isinstance(saved, dict):
+        return []  # not a checkpoint lnstrain saved through DeepSpeed
+    return [f"{step_dir / METADATA_FILE} says {name} {getattr(metadata, name)!r}, but the position the same save "
+            f"gave DeepSpeed says {saved.get(name)!r}: one of the two files was rewritten after the save; use "
+            "another checkpoint (tools/verify_checkpoint.py lists them)"
+            for name in ("step", "consumed_samples", "tokens_seen") if saved.get(name) != getattr(metadata, name)]
 
 
 def apply_retention(checkpoint_dir: str | Path, keep_last: int | None) -> list[Path]:
@@ -161,6 +121,15 @@ class TrainingPosition:
                    [list(r) for r in metadata.skipped_sample_ranges], metadata.nonfinite_steps, metadata.loss_spikes, metadata.skipped_batches)
 
 
+@dataclass(frozen=True)
+class OwnFiles:
+    """What lnstrain writes into a checkpoint beside DeepSpeed's files, as it was at the step boundary."""
+
+    rng_state: dict[str, Any]
+    metadata: str
+    config: str
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -182,11 +151,11 @@ def _gather(value: Any) -> list[Any]:
     return everyone
 
 
-def verify_collectively(step_dir: Path, checksums: bool = True) -> Verdict:
+def verify_collectively(step_dir: Path, trust: Trust) -> Verdict:
     """``check_step_dir`` of ``step_dir``, each rank checking a share of its files; every rank gets the
     same merged verdict (collective)."""
     verdict = Verdict(step_dir)
-    for share in _gather(check_step_dir(step_dir, (_global_rank(), _world_size()), checksums)):
+    for share in _gather(check_step_dir(step_dir, trust, (_global_rank(), _world_size()))):
         verdict.merge(share)
     return verdict
 
@@ -209,8 +178,20 @@ class CheckpointManager:
         self.world_size = tensor * pipeline * data
         self.data_fingerprint = data_fingerprint
         self.tokenizer_checksum = tokenizer_checksum
+        self.trust = Trust.from_config(config.checkpoint, [config.run.dir, self.directory])
+        """The opt-ins and signing key every load verifies with; the key also signs every save."""
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
+        self.slowest_save_s = 0.0
+        """The longest a save took from its start to its publication, the time training spent in it or not."""
+        self.in_flight: BackgroundWrite | None = None
+        """The save whose files a thread is writing (at most one), published at a later step boundary."""
+        self._snapshot_buffers = SnapshotBuffers()
+
+    @property
+    def snapshot_host_bytes(self) -> int:
+        """Host memory this rank keeps for the snapshots of saves written in the background."""
+        return self._snapshot_buffers.held_bytes
 
     def metadata(self, position: TrainingPosition) -> CheckpointMetadata:
         tp, pp, dp = self.layout
@@ -223,11 +204,16 @@ class CheckpointManager:
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
             skipped_batches=position.skipped_batches)
 
-    def save(self, engine: TrainingEngine, position: TrainingPosition) -> Path | None:
+    def save(self, engine: TrainingEngine, position: TrainingPosition, in_background: bool = False) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
 
         Returns None, writing nothing, when any rank's weights or optimizer state are not finite.
+        ``in_background`` (``checkpoint.async_save``): return once the state is snapshotted; a thread
+        writes the files, and ``publish_if_written`` or ``finish_background_save`` publishes them at a
+        later step boundary. A save still in flight is finished first: at most one is.
         """
+        self.finish_background_save(f"the save of step {position.step} waits for it (saves come faster than "
+                                    "they are written)", warn=True)
         started = time.monotonic()
         rank = _global_rank()
         step_dir = self.directory / step_dir_name(position.step)
@@ -242,44 +228,87 @@ class CheckpointManager:
         if rank == 0:
             with held.catching():
                 self.directory.mkdir(parents=True, exist_ok=True)
+                remove_links(self.directory)  # DeepSpeed and this save would write through them
                 if step_dir.exists():  # an interrupted save, or a step redone after resuming from an older one
                     (step_dir / COMPLETE_MARKER).unlink(missing_ok=True)
                     save_points.reached("stale step directory marked incomplete", step_dir)
                     shutil.rmtree(step_dir)
         self._agree(held, step_dir)
+        background = BackgroundWrite(step_dir, held, self._snapshot_buffers) if in_background else None
+        staging = (staging_deepspeed_files(engine.checkpoint_files, background) if background
+                   else contextlib.nullcontext())
         with recording_deepspeed_files(engine.checkpoint_files, step_dir, rank) as records, \
-                save_points.around_deepspeed_files(engine.checkpoint_files), \
+                save_points.around_deepspeed_files(engine.checkpoint_files), staging, \
                 holding_deepspeed_failures(engine.checkpoint_files, held):
-            engine.save_checkpoint(step_dir, client_state={"lnstrain_position": vars(position)})
-        if held.error is None:
-            with held.catching():
-                self._write_own_files(step_dir, rank, position, records)
+            engine.save_checkpoint(step_dir, client_state={CLIENT_STATE_KEY: vars(position)})
+        own_files = OwnFiles(capture_rng_state(), self.metadata(position).to_json(), self.config.to_yaml())
+        if background is not None:  # published by publish_if_written or finish_background_save
+            background.start(records, lambda: self._write_own_files(step_dir, rank, own_files, records),
+                             blocking_seconds=time.monotonic() - started)
+            self.in_flight = background
+        else:
+            if held.error is None:
+                with held.catching():
+                    self._write_own_files(step_dir, rank, own_files, records)
+            self._publish(held, step_dir, records)
+            seconds = time.monotonic() - started
+            self.slowest_save_s = max(self.slowest_save_s, seconds)
+            logger.info("saved checkpoint %s in %.1f s", step_dir, seconds)
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = position.step
+        return step_dir
+
+    def publish_if_written(self) -> Path | None:
+        """Publish the save in flight if every rank's thread has written its files; the checkpoint
+        published, else None. Collective: every rank calls it at the same step boundary."""
+        if self.in_flight is None or not all(_gather(self.in_flight.done)):
+            return None
+        return self.finish_background_save()
+
+    def finish_background_save(self, why: str = "", warn: bool = False) -> Path | None:
+        """Wait for the save in flight (the wait is logged with its length and ``why``) and publish it;
+        the checkpoint published, or None when none was in flight. A write that failed on any rank
+        raises here, on every rank, as a synchronous save does. Collective."""
+        background, self.in_flight = self.in_flight, None
+        if background is None:
+            return None
+        if not background.done:
+            waited = background.wait()
+            (logger.warning if warn else logger.info)("waited %.1f s for the background write of %s%s", waited,
+                                                      background.step_dir, f": {why}" if why else "")
+        publishing = time.monotonic()
+        self._publish(background.held, background.step_dir, background.records)
+        seconds = background.blocking_seconds + background.write_seconds + time.monotonic() - publishing
+        self.slowest_save_s = max(self.slowest_save_s, seconds)
+        logger.info("saved checkpoint %s: training blocked %.1f s, the files took %.1f s in the background",
+                    background.step_dir, background.blocking_seconds, background.write_seconds)
+        return background.step_dir
+
+    def _publish(self, held: HeldFailure, step_dir: Path, records: dict[str, FileRecord]) -> None:
+        """Every rank's files are written: gather their records (which proves it), then rank 0 writes
+        the completion marker and ``latest`` and applies retention. Collective."""
+        rank = _global_rank()
         every_file: dict[str, FileRecord] = {}
         for rank_records in self._agree(held, step_dir, records):  # also proves every rank's files are written
             every_file.update(rank_records)
         save_points.reached("every rank finished writing", step_dir)
         if rank == 0:
             with held.catching():
-                write_atomically(step_dir / COMPLETE_MARKER, marker_text(every_file))
+                write_marker(step_dir, every_file, self.trust.key)
                 write_atomically(self.directory / LATEST_FILE, step_dir.name + "\n")
                 for deleted in apply_retention(self.directory, self.config.checkpoint.keep_last):
                     logger.info("deleted old checkpoint %s (checkpoint.keep_last=%s)", deleted,
                                 self.config.checkpoint.keep_last)
         self._agree(held, step_dir)
-        self.last_save_time = time.monotonic()
-        self.last_saved_step = position.step
-        logger.info("saved checkpoint %s in %.1f s", step_dir, self.last_save_time - started)
-        return step_dir
 
-    def _write_own_files(self, step_dir: Path, rank: int, position: TrainingPosition,
-                         records: dict[str, FileRecord]) -> None:
+    def _write_own_files(self, step_dir: Path, rank: int, own: OwnFiles, records: dict[str, FileRecord]) -> None:
         """This rank's RNG file (rank 0: metadata and config), recorded; then every file fsynced."""
-        save_rng_state(step_dir, rank)
+        save_rng_state(step_dir, rank, own.rng_state)
         save_points.reached("RNG state written", step_dir)
         own_files = [rng_file(step_dir, rank)]
         if rank == 0:
-            write_atomically(step_dir / METADATA_FILE, self.metadata(position).to_json())
-            write_atomically(step_dir / CONFIG_FILE, self.config.to_yaml())
+            write_atomically(step_dir / METADATA_FILE, own.metadata)
+            write_atomically(step_dir / CONFIG_FILE, own.config)
             own_files += [step_dir / METADATA_FILE, step_dir / CONFIG_FILE]
         for path in own_files:  # small: read back
             records[path.relative_to(step_dir).as_posix()] = file_record(path, rank)
@@ -295,40 +324,19 @@ class CheckpointManager:
         return [rank_payload for rank_payload, _ in gathered]
 
     def verified_checkpoint(self, step_dir: Path, fall_back: bool) -> tuple[Path | None, list[str]]:
-        """(the checkpoint to load, problems of those skipped): ``step_dir`` if its files verify,
-        else (``fall_back``) the newest older complete checkpoint beside it that does; None when none
-        does. Collective: every rank checks a share of the files and all agree.
+        """(the checkpoint to load, problems of those skipped): ``step_dir`` if it verifies
+        (``verifier``), else (``fall_back``) the newest older complete checkpoint beside it that does;
+        None when none does. Collective: every rank checks a share of the files and all agree.
 
-        Raises ``CheckpointError`` when a file's pickle names classes beyond the allow-list and the
-        checkpoint is not trusted (``checkpoint.allow_pickle``): that is never silently skipped.
+        Raises ``CheckpointError`` (agreed by every rank) when a file's pickle names classes beyond the
+        allow-list and the checkpoint is not trusted (``checkpoint.allow_pickle``): that is never
+        silently skipped.
         """
-        candidates = [step_dir]
-        if fall_back:
-            candidates += [p for p in reversed(complete_step_dirs(step_dir.parent)) if step_of(p) < step_of(step_dir)]
-        skipped: list[str] = []
-        for candidate in candidates:
-            verdict = verify_collectively(candidate, self.config.checkpoint.verify_checksums)
-            if verdict.altered:
-                raise CheckpointError(f"cannot resume from {candidate}: files were altered to hold more than "
-                                      "tensors, so nothing was loaded:\n  - " + "\n  - ".join(verdict.altered)
-                                      + f"\nDelete {candidate} to resume from the checkpoint before it.")
-            if verdict.unsafe and not self.config.checkpoint.allow_pickle:
-                raise CheckpointError(f"cannot resume from {candidate}: loading it could run code stored in it, "
-                                      "so nothing was loaded:\n  - " + "\n  - ".join(verdict.unsafe)
-                                      + f"\nIf you trust where this checkpoint came from, pass {OPT_IN}")
-            if verdict.unsafe:
-                logger.warning("%s: files beyond the allow-list will be fully unpickled (checkpoint.allow_pickle):"
-                               "\n  %s", candidate, "\n  ".join(verdict.unsafe))
-            if not verdict.corrupt:
-                if not verdict.recorded:
-                    logger.warning("%s predates lnstrain's file checksums: its files are not verified", candidate)
-                if skipped:
-                    logger.warning("resuming from %s, the newest checkpoint whose files verify", candidate)
-                return candidate, skipped
-            next_move = "trying an older checkpoint" if candidate is not candidates[-1] else "no older checkpoint to try"
-            logger.error("%s failed verification; %s:\n  %s", candidate, next_move, "\n  ".join(verdict.corrupt))
-            skipped += verdict.corrupt
-        return None, skipped
+        choice = choose_checkpoint(step_dir, self.trust, fall_back, lambda d: verify_collectively(d, self.trust),
+                                   log=_global_rank() == 0)  # every rank holds the same merged verdicts
+        if choice.refusal:
+            raise CheckpointError(choice.refusal, agreed=True)
+        return choice.step_dir, choice.skipped
 
     def load(self, engine: TrainingEngine, step_dir: Path) -> TrainingPosition:
         """Restore weights, optimizer, schedule, RNG and the data position from ``step_dir`` (saved at
@@ -336,9 +344,13 @@ class CheckpointManager:
         metadata = read_metadata(step_dir)
         self.check_same_data(step_dir)
         with loading_safely(engine.checkpoint_files, self.config.checkpoint.allow_pickle):
-            loaded = engine.load_checkpoint(step_dir)
-        if not loaded:
+            client_state = engine.load_checkpoint(step_dir)
+        if client_state is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {step_dir}")
+        disagreements = [problem for problems in _gather(position_problems(metadata, client_state.get(CLIENT_STATE_KEY), step_dir))
+                         for problem in problems]
+        if disagreements:
+            raise CheckpointError("cannot resume:\n  - " + "\n  - ".join(dict.fromkeys(disagreements)), agreed=True)
         rank = _global_rank()
         rng_state = load_rng_state(step_dir, rank)
         if rng_state is not None and metadata.world_size == self.world_size:
@@ -364,4 +376,4 @@ class CheckpointManager:
         problems = data_mismatch_problems(read_metadata(step_dir), step_dir, self.data_fingerprint,
                                           self.tokenizer_checksum)
         if problems:
-            raise CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems))
+            raise CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems), agreed=True)

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from lnstrain.checkpoint.layouts import MOMENT_KEYS, FullState, read_full_state, read_saved_layout
-from lnstrain.checkpoint.manager import TrainingPosition
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.manager import TrainingPosition, position_problems
 from lnstrain.checkpoint.metadata import read_metadata
 from lnstrain.checkpoint.sharding import check_full_state_dict, local_shards
+from lnstrain.checkpoint.verifier import Trust
 from lnstrain.deepspeed_adapter import has_fp32_fragment, set_full_fp32_param, set_full_optimizer_state
 
 if TYPE_CHECKING:
@@ -108,6 +110,10 @@ def load_resharded(training_engine: TrainingEngine, step_dir: str | Path, requir
     step_dir = Path(step_dir)
     config = training_engine.config
     state = read_full_state(step_dir, config, allow_pickle=allow_pickle)
+    meta = read_metadata(step_dir)
+    disagreements = position_problems(meta, state.saved_position, step_dir)
+    if disagreements:  # every rank read the same files: every rank raises this
+        raise CheckpointError("cannot resume:\n  - " + "\n  - ".join(disagreements), agreed=True)
     apply_full_state(training_engine, state, require_optimizer_state, str(step_dir))
     if state.scheduler_state is not None:
         scheduler = training_engine.scheduler
@@ -115,7 +121,6 @@ def load_resharded(training_engine: TrainingEngine, step_dir: str | Path, requir
         for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr  # what the next step uses; the schedule moves it only after that step
     training_engine.restore_step_counters(state.engine_counters)
-    meta = read_metadata(step_dir)
     logger.info("resharded %s (tensor %d, pipeline %d, data %d) into tensor %d, pipeline %d, data %d: "
                 "step %d, %d samples consumed, %s, optimizer moments %s", step_dir, meta.tensor_parallel,
                 meta.pipeline_parallel, meta.data_parallel, training_engine.groups.tp_size,
@@ -124,13 +129,15 @@ def load_resharded(training_engine: TrainingEngine, step_dir: str | Path, requir
     return TrainingPosition.from_metadata(meta)
 
 
-def initialize_from(training_engine: TrainingEngine, path: str | Path, unfold_lns: bool | None = None) -> None:
+def initialize_from(training_engine: TrainingEngine, path: str | Path, unfold_lns: bool | None = None,
+                    trust: Trust = Trust()) -> None:
     """``checkpoint.init_from``: this rank's shards of the weights at ``path`` (a consolidated file, a
     Hugging Face LLaMA directory or an lnstrain checkpoint of any layout) into the live engine, fp32
     masters included; the optimizer, schedule and data position start fresh (continued pretraining).
-    ``unfold_lns``: ``checkpoint.init_from_unfold_lns`` (None: as a Hugging Face export's config.json says)."""
+    ``unfold_lns``: ``checkpoint.init_from_unfold_lns`` (None: as a Hugging Face export's config.json says);
+    ``trust``: the run's opt-ins and key, for an lnstrain checkpoint (``verifier``)."""
     from lnstrain.checkpoint.consolidated_file import load_init_state_dict
 
-    state = FullState(weights=load_init_state_dict(path, training_engine.config.model, unfold_lns))
+    state = FullState(weights=load_init_state_dict(path, training_engine.config.model, unfold_lns, trust))
     apply_full_state(training_engine, state, require_optimizer_state=False, source=str(path))
     logger.info("initialised the model from %s", path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lnstrain.config.feasibility import asks_fp32_accumulation, optimizer_kind
+from lnstrain.config.feasibility import OptimizerKind, asks_fp32_accumulation, optimizer_kind
 from lnstrain.config.loader import deep_merge
 from lnstrain.config.run_config import Config
 from lnstrain.deepspeed_adapter import deepspeed_json_refusal
@@ -39,6 +39,16 @@ def zero_bucket_elements(config: Config) -> int:
     return min(DEEPSPEED_BUCKET_DEFAULT, rounded)
 
 
+def overlaps_gradient_reduction(config: Config, world_size: int) -> bool:
+    """Whether ZeRO 1/2 reduces gradients during the backward (``overlap_comm``): where there is a
+    reduction to hide (several data-parallel ranks) and DeepSpeed's ZeRO optimizer does it. With one
+    data-parallel rank there is nothing to overlap and the second bucket would only cost memory;
+    BF16_Optimizer (bf16 at ZeRO 1 with fp32 accumulation) reduces after the last micro-batch whatever
+    the option says. The order of the additions is the same either way: the numbers do not change."""
+    return (optimizer_kind(config) is OptimizerKind.ZERO and config.parallel.zero_stage in (1, 2)
+            and config.data_parallel_size(world_size) > 1)
+
+
 def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON for ``config`` on ``world_size`` ranks."""
     precision = config.precision
@@ -65,6 +75,8 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     if config.parallel.zero_stage > 0:
         bucket = zero_bucket_elements(config)
         derived["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        if overlaps_gradient_reduction(config, world_size):
+            derived["zero_optimization"]["overlap_comm"] = True
     if asks_fp32_accumulation(config):  # BF16_Optimizer at ZeRO 1, the ZeRO optimizers at 2 and 3
         derived["data_types"] = {"grad_accum_dtype": "fp32"}
     if config.parallel.pipeline > 1:

@@ -87,6 +87,27 @@ def optimizer_kind(config: RunSections) -> OptimizerKind:
     return OptimizerKind.NONE if precision.dtype == "fp32" else OptimizerKind.FP16_UNFUSED
 
 
+ZERO3_COMPILE_REFUSAL = (
+    "train.compile: true with parallel.zero_stage 3: ZeRO-3 gathers each layer's parameters in module hooks "
+    "that torch.compile cannot trace, so a compiled layer falls apart into fragments (a 6-layer model gave 13 "
+    "graphs and 36 graph breaks where ZeRO 0-2 give 2 graphs and none) and runs no faster than eager. Use "
+    "parallel.zero_stage 1 or 2 with compilation, or train.compile: false (or auto, which leaves ZeRO-3 eager).")
+
+
+def compiles_layers(config: RunSections, device_type: str) -> bool:
+    """Whether ``build_model`` compiles the transformer layers on ``device_type`` (``cuda`` or ``cpu``):
+    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 (``compile_problem`` refuses true there)."""
+    setting = config.train.compile
+    if config.parallel.zero_stage == 3:
+        return False
+    return setting is True or (setting == "auto" and device_type == "cuda")
+
+
+def compile_problem(config: RunSections) -> str:
+    """Why ``train.compile`` cannot be true with this layout; empty when it can."""
+    return ZERO3_COMPILE_REFUSAL if config.train.compile is True and config.parallel.zero_stage == 3 else ""
+
+
 def _shape_problems(config: RunSections) -> list[str]:
     """The layout against the model's depth and the sequence length."""
     problems = []
@@ -158,6 +179,8 @@ def overcounted_kv_rows(config: RunSections) -> str:
     if not (parallel.tensor > 1 and model.fused_qkv and model.kv_heads < parallel.tensor
             and config.optim.grad_clip > 0):
         return ""
+    if model.num_heads % parallel.tensor:  # the heads cannot be split at all: that problem is reported alone
+        return ""
     return (f"model.fused_qkv with model.num_kv_heads ({model.kv_heads}) < parallel.tensor ({parallel.tensor}) "
             "puts sharded query rows and replicated key/value rows in one parameter; a gradient norm counts "
             "a parameter on every tensor rank or on one, so the key/value rows are counted "
@@ -167,7 +190,7 @@ def overcounted_kv_rows(config: RunSections) -> str:
 def _precision_problems(config: RunSections, world_size: int | None) -> list[str]:
     """Precision × ZeRO × pipeline × clipping: what DeepSpeed's optimizer for this config would get wrong."""
     problems = [bf16_accumulation_problem(config, world_size) if world_size is not None else "",
-                fp16_loss_scaling_problem(config)]
+                fp16_loss_scaling_problem(config), compile_problem(config)]
     overcount = overcounted_kv_rows(config)
     if overcount and not optimizer_kind(config).lnstrain_clips:
         problems.append(overcount + " Set model.fused_qkv: false (separate projections are counted exactly) "

@@ -250,6 +250,9 @@ def load_yaml_with_bases(path: str | os.PathLike, _seen: tuple[str, ...] = ()) -
             data = yaml.safe_load(handle) or {}
         except yaml.YAMLError as error:
             raise ConfigError([f"invalid YAML: {error}"], str(path)) from None
+        except UnicodeDecodeError as error:
+            raise ConfigError([f"{path} is not UTF-8 text (byte {error.start} is 0x{error.object[error.start]:02x}); "
+                               "save it as UTF-8"], str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of sections, got {type(data).__name__}"],
                           str(path))
@@ -287,6 +290,15 @@ def add_override_argument(parser: typing.Any, example: str = "optim.lr=3e-4") ->
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     """Apply ``--set`` overrides to raw config data (before typing, so all checks still run); a
     ``ConfigError`` lists every malformed override."""
+    data, problems = apply_readable_overrides(data, overrides)
+    if problems:
+        raise ConfigError(problems, "--set")
+    return data
+
+
+def apply_readable_overrides(data: dict, overrides: typing.Iterable[str]) -> tuple[dict, list[str]]:
+    """(raw config data with every readable ``--set`` override applied, a problem per malformed one):
+    a malformed override does not hide the config's other problems."""
     data = dict(data)
     problems = []
     for text in overrides:
@@ -302,6 +314,4 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
             node[key] = child
             node = child
         node[keys[-1]] = value
-    if problems:
-        raise ConfigError(problems, "--set")
-    return data
+    return data, [f"--set: {problem}" for problem in problems]

@@ -19,12 +19,14 @@ import yaml
 
 from lnstrain.checkpoint.config import CheckpointConfig
 from lnstrain.config.feasibility import cross_section_problems
-from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, load_yaml_with_bases, read_dataclass,
-                                   to_dict)
+from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, apply_readable_overrides, load_yaml_with_bases,
+                                   read_dataclass, to_dict)
 from lnstrain.data.config import DataConfig
 from lnstrain.model.config import ModelConfig
+from lnstrain.no_follow import write_text_replacing
 from lnstrain.parallel.config import ParallelConfig
 from lnstrain.run_files import CHECKPOINTS_DIR
+from lnstrain.tracking.config import WandbConfig
 from lnstrain.training.config import OptimConfig, PrecisionConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class RunConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console and TensorBoard logging.
+    """Console, TensorBoard and Weights & Biases logging.
 
     Attributes:
         interval: log a line (rank 0) and TensorBoard scalars every this many steps, and at the first
@@ -64,11 +66,14 @@ class LoggingConfig:
         depth_stats_interval: every this many steps, record per-layer statistics (residual
             variance, gradient norms, sublayer-to-residual ratios); 0 disables them. At the default
             of 100 the cost is well under 1% of training time (docs/depth_analysis.md).
+        wandb: Weights & Biases tracking, off by default (``lnstrain.tracking.config.WandbConfig``):
+            every scalar TensorBoard gets, the per-layer profiles and the resolved config.
     """
 
     interval: int = 10
     tensorboard: bool = True
     depth_stats_interval: int = 100
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
         problems = []
@@ -76,7 +81,7 @@ class LoggingConfig:
             problems.append(f"logging.interval must be >= 1 (got {self.interval})")
         if self.depth_stats_interval < 0:
             problems.append(f"logging.depth_stats_interval must be >= 0 (got {self.depth_stats_interval})")
-        return problems
+        return problems + self.wandb.validate()
 
 
 @dataclass
@@ -152,12 +157,11 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the resolved config atomically (temporary name, then rename)."""
+        """Write the resolved config atomically (a new temporary file, then a rename: a link at either
+        name is replaced, never written through)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(self.to_yaml(), encoding="utf-8")
-        os.replace(temporary, path)
+        write_text_replacing(path, self.to_yaml())
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -200,8 +204,11 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
 
 def read_config_file(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Typed[Config]:
     """``read_config`` of a YAML run description with ``--set``-style overrides. Raises ``ConfigError``
-    only when the file or an override cannot be read as YAML at all."""
-    return read_config(apply_overrides(load_yaml_with_bases(path), overrides))
+    only when the file cannot be read as YAML at all; a malformed override is one more problem."""
+    data, override_problems = apply_readable_overrides(load_yaml_with_bases(path), overrides)
+    typed = read_config(data)
+    typed.problems[:0] = override_problems
+    return typed
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_size: int | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -72,6 +73,34 @@ def _build_blend(parts: list[_Part], cfg: DataConfig, num_samples: int, seed: in
     return BlendedDataset(datasets, [p.weight for p in parts], index)
 
 
+def distinct_samples(parts: list[_Part], cfg: DataConfig) -> tuple[int, int, int]:
+    """(sequences, tokens, distinct samples) of ``parts``: packed windows of ``seq_len`` tokens, or one
+    sample per sequence in truncate_pad mode; a split asking for more serves some again."""
+    sequences = sum(len(p.sequences) for p in parts)
+    tokens = sum(int(p.indexed.sizes[p.sequences].sum(dtype=np.int64)) for p in parts)
+    return sequences, tokens, tokens // cfg.seq_len if cfg.mode == "packed" else sequences
+
+
+def validation_repeats_warning(parts: list[_Part], cfg: DataConfig, valid_samples: int) -> str | None:
+    """A warning when the validation split is too small for ``valid_samples`` distinct samples: its
+    text is then served several times per evaluation, and the eval loss measures little."""
+    sequences, tokens, distinct = distinct_samples(parts, cfg)
+    if distinct >= valid_samples:
+        return None
+    repeats = valid_samples / max(distinct, 1)
+    times = f"{repeats:.1f}" if repeats < 10 else f"{repeats:.0f}"
+    if cfg.valid_sources:
+        fix = "give larger validation files (data.valid_sources)"
+    else:
+        fraction = min(0.5, math.ceil(cfg.valid_fraction * repeats * 100) / 100)
+        fix = (f"hold out more (data.valid_fraction: {fraction:g}) or give separate validation files "
+               "(data.valid_sources)")
+    return (f"the validation split is {sequences} document(s), {tokens} tokens, {distinct} distinct sample(s) of "
+            f"data.seq_len {cfg.seq_len}, but an evaluation reads {valid_samples} (train.eval_batches x "
+            f"train.global_batch_size): each is served about {times} times, so the eval loss says little "
+            f"and can fall below the training loss; {fix}, or lower train.eval_batches")
+
+
 def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_samples: int, seed: int,
                                builds_cache: bool) -> tuple[SampleDataset, SampleDataset | None]:
     """Training and validation datasets (validation is None when ``valid_samples == 0`` or nothing is held out).
@@ -94,6 +123,9 @@ def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_sample
     valid = None
     if valid_samples > 0 and valid_parts:
         valid = _build_blend(valid_parts, cfg, valid_samples, seed, cache, pad_id, "valid")
+        repeats = validation_repeats_warning(valid_parts, cfg, valid_samples) if builds_cache else None
+        if repeats:
+            logger.warning(repeats)
     elif valid_samples > 0:
         logger.warning("valid_samples=%d requested but no validation data (data.valid_fraction is 0 and "
                        "data.valid_sources is empty)", valid_samples)

@@ -1,7 +1,9 @@
-"""Streaming readers for raw corpora: ``.jsonl``/``.json``/``.txt``, optionally ``.gz`` or ``.zst`` compressed.
+"""Streaming readers for raw corpora: ``.jsonl``/``.json``/``.txt``, optionally ``.gz`` or ``.zst`` compressed,
+and (through ``arrow_corpus``) Parquet files and ``datasets`` directories written by ``save_to_disk``.
 
-Everything streams record by record, so memory stays constant whatever the file size. Records are
-returned as raw ``bytes``: decoding (UTF-8, JSON) happens where the work is parallel (the workers).
+Everything streams record by record (Parquet and Arrow: record batch by record batch), so memory stays
+constant whatever the file size. JSON and text records are returned as raw ``bytes``: decoding (UTF-8,
+JSON) happens where the work is parallel (the workers).
 """
 from __future__ import annotations
 
@@ -10,25 +12,33 @@ import gzip
 import io
 import json
 import os
-from dataclasses import dataclass, field
 from typing import IO, Iterator
+
+from .arrow_corpus import (ARROW_SUFFIXES, PARQUET_SUFFIXES, CorpusError, check_text_columns, column_texts,
+                           dataset_dir_files, iter_text_batches)
+from .skip_counts import SkipCounts
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
 TXT_MODES = ("line", "blank_line", "file")
+ARROW_FORMATS = ("parquet", "arrow")  # read by columns, batch by batch (arrow_corpus)
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
-    """Expand files and glob patterns (in the order given, each glob sorted); error on no match."""
+    """Expand files, globs and ``save_to_disk`` directories (in the order given, each glob sorted, a
+    directory into its Arrow files in row order); error on no match."""
     files: list[str] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise FileNotFoundError(f"input pattern {pattern!r} matches no file")
         for path in matches:
-            if not os.path.isfile(path):
+            if os.path.isdir(path):
+                files.extend(dataset_dir_files(path))
+            elif not os.path.isfile(path):
                 raise FileNotFoundError(f"input file not found: {path}")
-            files.append(path)
+            else:
+                files.append(path)
     return files
 
 
@@ -41,13 +51,26 @@ def split_compression(path: str) -> tuple[str, str]:
 
 
 def file_format(path: str) -> str:
-    """``"jsonl"`` or ``"txt"`` from the name; a clear error for anything else."""
+    """``"jsonl"``, ``"txt"``, ``"parquet"`` or ``"arrow"`` from the name; a clear error for anything else."""
+    if path.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if path.endswith(ARROW_SUFFIXES):
+        return "arrow"
     base, _ = split_compression(path)
     if base.endswith(JSON_SUFFIXES):
         return "jsonl"
     if base.endswith(TEXT_SUFFIXES):
         return "txt"
-    raise ValueError(f"{path}: unknown input format; expected .jsonl/.json/.txt, optionally with .gz or .zst")
+    raise CorpusError(f"{path}: unknown input format; expected .jsonl/.json/.txt (optionally with .gz or .zst), "
+                      ".parquet, .arrow, or a directory written by datasets' save_to_disk")
+
+
+def check_inputs(paths: list[str], keys: list[str]) -> None:
+    """Fail before any work on a file of unknown format, or a Parquet/Arrow file without the text
+    column(s) ``keys`` as strings (JSON keys can only be checked record by record, and are)."""
+    for path in paths:
+        if file_format(path) in ARROW_FORMATS:
+            check_text_columns(path, keys)
 
 
 def open_binary(path: str) -> IO[bytes]:
@@ -70,6 +93,8 @@ def open_binary(path: str) -> IO[bytes]:
 def iter_records(path: str, txt_mode: str = "line") -> Iterator[bytes]:
     """Raw records of one file: JSON lines, or text lines / blank-line paragraphs / the whole file."""
     fmt = file_format(path)
+    if fmt in ARROW_FORMATS:
+        raise ValueError(f"{path}: a {fmt} file has no line records; read it with arrow_corpus.iter_text_batches")
     if txt_mode not in TXT_MODES:
         raise ValueError(f"txt_mode must be one of {TXT_MODES} (got {txt_mode!r})")
     with open_binary(path) as f:
@@ -91,33 +116,6 @@ def iter_records(path: str, txt_mode: str = "line") -> Iterator[bytes]:
                     para = []
             if para:
                 yield b"".join(para)
-
-
-@dataclass
-class SkipCounts:
-    """Records skipped for each reason, with the first few examples for the report."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, str] = field(default_factory=dict)
-
-    def add(self, reason: str, example: str = "", n: int = 1) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + n
-        if example and reason not in self.examples:
-            self.examples[reason] = example
-
-    def merge(self, other: "SkipCounts") -> None:
-        for reason, n in other.counts.items():
-            self.add(reason, other.examples.get(reason, ""), n)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def report(self) -> str:
-        if not self.counts:
-            return "nothing skipped"
-        return "; ".join(f"{n} {reason}" + (f" (e.g. {self.examples[reason]})" if reason in self.examples else "")
-                         for reason, n in sorted(self.counts.items()))
 
 
 def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, path: str = "",
@@ -158,11 +156,21 @@ def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, pa
 
 def iter_documents(paths: list[str], key: str = "text", txt_mode: str = "line",
                    skips: SkipCounts | None = None) -> Iterator[str]:
-    """Texts of every usable document in ``paths`` (sequentially, streaming); skips are counted in ``skips``."""
+    """Texts of every usable document in ``paths`` (sequentially, streaming); skips are counted in ``skips``.
+
+    ``key`` is the JSON key or, for Parquet and Arrow files, the column."""
     skips = skips if skips is not None else SkipCounts()
     for path in paths:
         fmt = file_format(path)
         empty = True
+        if fmt in ARROW_FORMATS:
+            check_text_columns(path, [key])
+            for first_row, batch, _ in iter_text_batches(path, [key], max_rows=1024, max_bytes=1 << 22):
+                empty = False
+                yield from column_texts(batch, [key], skips, path, first_row)[0]
+            if empty:
+                skips.add("empty file", path)
+            continue
         for i, record in enumerate(iter_records(path, txt_mode)):
             empty = False
             text = record_texts(record, fmt, [key], skips, path, i + 1)[0]

@@ -1,41 +1,80 @@
-"""Check that every token id in the data fits the model's vocabulary, cheaply (max id cached per file)."""
+"""Check that every token id in the data fits the model's vocabulary: every id, at every launch,
+cheaply.
+
+The smallest and largest id of a ``.bin`` are found by reading all of it (``numpy`` max over 64 M-token
+chunks: docs/data.md, "Token ids", gives the speed) and cached beside the ``.idx``
+(``<prefix>.idx.lnstrain-range.json``), keyed by both files' size, inode, modification *and change*
+time (``st_ctime``, which the kernel sets on every write and nobody can set back) and by their
+content fingerprint. Any write to either file, in place or not, so makes the next launch scan again;
+the cache only saves the scan of files that did not change. Whoever can write the cache file beside
+the data can still lie in it: ``iterate_micro_batches(..., vocab_size=)`` checks every batch's ids
+before it reaches the model as well (``TokenIdError``).
+"""
 from __future__ import annotations
 
 import json
 import logging
 import os
 
+import numpy as np
+
+from lnstrain.no_follow import read_regular_file, write_text_replacing
+
 from .fingerprint import file_fingerprint
 from .indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
 _CHUNK = 1 << 26
+_CACHE_VERSION = 2
+_CACHE_SUFFIX = ".idx.lnstrain-range.json"
+
+
+class TokenIdError(ValueError):
+    """A token id outside the model's vocabulary; the message names the file and what to do."""
+
+
+def _file_state(path: str) -> dict[str, int]:
+    status = os.stat(path)
+    return {"size": status.st_size, "inode": status.st_ino, "device": status.st_dev,
+            "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns}
+
+
+def _cache_key(prefix: str) -> dict:
+    return {"version": _CACHE_VERSION, "bin": _file_state(prefix + ".bin"), "idx": _file_state(prefix + ".idx"),
+            "fingerprint": file_fingerprint(prefix)}
+
+
+def scan_token_range(tokens: np.ndarray) -> tuple[int, int]:
+    """(min, max) of ``tokens`` read chunk by chunk (an unsigned dtype's minimum is not scanned: 0 or more)."""
+    lo, hi = 0, -1
+    signed = np.issubdtype(tokens.dtype, np.signedinteger)
+    for start in range(0, len(tokens), _CHUNK):
+        chunk = tokens[start:start + _CHUNK]
+        hi = max(hi, int(chunk.max()))
+        if signed:
+            lo = min(lo, int(chunk.min()))
+    return lo, hi
 
 
 def token_id_range(prefix: str) -> tuple[int, int]:
-    """(min, max) token id of ``<prefix>.bin``; cached in ``<prefix>.idx.lnstrain-range.json`` when writable."""
-    cache_path = prefix + ".idx.lnstrain-range.json"
-    fp = file_fingerprint(prefix)
+    """(min, max) token id of ``<prefix>.bin``, from the cache beside it when neither file changed since
+    it was written, else scanned (and cached, when the directory is writable)."""
+    cache_path = prefix + _CACHE_SUFFIX
+    key = _cache_key(prefix)
     try:
-        with open(cache_path) as f:
-            cached = json.load(f)
-        if cached.get("fingerprint") == fp:
+        cached = json.loads(read_regular_file(cache_path, 1 << 16))
+        if isinstance(cached, dict) and cached.get("key") == key:
             return int(cached["min"]), int(cached["max"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    logger.info("reading %s.bin for its smallest and largest token id (once: cached in %s)", prefix, cache_path)
-    tokens = IndexedDataset(prefix).token_array()
-    lo, hi = 0, -1
-    for start in range(0, len(tokens), _CHUNK):
-        chunk = tokens[start:start + _CHUNK]
-        lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
+    logger.info("reading %s.bin for its smallest and largest token id (cached in %s until the file changes)",
+                prefix, cache_path)
+    lo, hi = scan_token_range(IndexedDataset(prefix).token_array())
     try:
-        tmp = f"{cache_path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"fingerprint": fp, "min": lo, "max": hi}, f)
-        os.replace(tmp, cache_path)
-    except OSError as e:
-        logger.debug("cannot cache token range of %s: %s", prefix, e)
+        write_text_replacing(cache_path, json.dumps({"key": key, "min": lo, "max": hi}) + "\n")
+    except OSError as error:
+        logger.warning("cannot cache the token range of %s (%s): every launch reads the whole file", prefix,
+                       error.strerror or error)
     return lo, hi
 
 
@@ -62,10 +101,10 @@ def out_of_range_id(prefix: str, vocab_size: int) -> int | None:
 
 
 def check_token_ids(datasets_or_prefixes, vocab_size: int) -> None:
-    """Raise ValueError naming the file and the offending id if any token is outside ``[0, vocab_size)``."""
+    """Raise ``TokenIdError`` naming the file and the offending id if any token is outside ``[0, vocab_size)``."""
     for prefix in _prefixes(datasets_or_prefixes):
         bad = out_of_range_id(prefix, vocab_size)
         if bad is not None:
-            raise ValueError(f"{prefix}.bin holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
-                             "the data was tokenized with a different tokenizer than the model's vocab_size "
-                             "(re-run tools/preprocess_data.py or fix model.vocab_size)")
+            raise TokenIdError(f"{prefix}.bin holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
+                               "the data was tokenized with a different tokenizer than the model's vocab_size, or "
+                               "the file is damaged (re-run tools/preprocess_data.py or fix model.vocab_size)")

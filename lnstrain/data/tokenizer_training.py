@@ -10,7 +10,7 @@ from typing import Iterator
 
 import sentencepiece as spm
 
-from .corpus_readers import SkipCounts, iter_documents
+from .corpus_readers import SkipCounts, check_inputs, iter_documents
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class TokenizerTrainingConfig:
     output_prefix: str
     vocab_size: int = 32000
     model_type: str = "bpe"
-    json_key: str = "text"
+    json_key: str = "text"  # the JSON key, or the column of Parquet/Arrow inputs
     txt_mode: str = "line"
     max_sentences: int = 2_000_000
     max_sentence_chars: int = 4192
@@ -107,11 +107,12 @@ def train_tokenizer(cfg: TokenizerTrainingConfig, paths: list[str]) -> Tokenizer
     """Sample sentences, train, and write ``<output_prefix>.model``/``.vocab`` (atomically renamed)."""
     if cfg.model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram' (got {cfg.model_type!r})")
+    check_inputs(paths, [cfg.json_key])
     t0 = time.perf_counter()
     sample, stats = reservoir_sample(cfg, paths)
     if not sample:
         raise ValueError(f"no usable text found in {len(paths)} input file(s) "
-                         f"(JSON key {cfg.json_key!r}; skipped: {stats['skips'].report()})")
+                         f"(JSON key or column {cfg.json_key!r}; skipped: {stats['skips'].report()})")
     t1 = time.perf_counter()
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

@@ -55,6 +55,11 @@ The loss (last stage, V the padded vocabulary): its fp32 log-probabilities, 4·s
 backward, with the final norm's and the head's inputs (2e·sbh); the logits, e·s·b·V/t, live while the loss is computed (plus an fp32 copy of 16-bit logits
 where the kernel upcasts first: on the CPU, and in the tensor-parallel loss). Backward starts with the
 gradient of the logits (a 16-bit copy of the fp32 one) and of the head.
+
+Host memory, outside the phases: a checkpoint written in the background (``checkpoint.async_save``)
+is first copied into host buffers, kept from the first save on: the bytes of the rank's checkpoint
+files, its weights and optimizer state (``StageMemory.snapshot``; on data-parallel rank 0 under ZeRO
+0-2, which alone writes the weights).
 """
 
 from __future__ import annotations
@@ -120,6 +125,12 @@ class StageMemory:
         """Held between steps: weights, optimizer state and persistent buffers."""
         return self.weights + self.optimizer + self.persistent_buffers + self.pipe_buffers
 
+    @property
+    def snapshot(self) -> float:
+        """Host memory of a checkpoint snapshot (``checkpoint.async_save``): what the rank's checkpoint
+        files hold, its weights and optimizer state (fp32 master, Adam moments)."""
+        return self.weights + self.optimizer
+
     def phases(self, checkpointing: str) -> dict[str, float]:
         """Peak bytes of each phase of a steady step."""
         kept = self.activations[checkpointing]
@@ -162,6 +173,11 @@ class MemoryEstimate:
 
     def total_with(self, checkpointing: str) -> float:
         return max(st.total(checkpointing) for st in self.stages)
+
+    @property
+    def snapshot(self) -> float:
+        """The largest host memory a rank's checkpoint snapshot needs (``StageMemory.snapshot``)."""
+        return max(st.snapshot for st in self.stages)
 
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, tensor: int,

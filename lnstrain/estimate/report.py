@@ -100,10 +100,24 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
                                "workspaces_bytes": allowances.workspaces,
                                "device_total_bytes": allowances.device_total(memory.total)},
             "korthikanti_gpt_layer_bytes": korthikanti_gpt_layer_bytes(model, seq_len, config.train.micro_batch_size),
+            "checkpoint_snapshot_host_bytes": memory.snapshot,
+            "checkpoint_async_save": _async_save_setting(config),
         },
         "deepspeed_config": deepspeed_config(config, world_size),
         "notes": [f"{note} (ignored by the dry run; needed by the real run)" for note in missing_files],
     }
+
+
+def _async_save_setting(config: Config) -> str:
+    """What ``checkpoint.async_save`` does for this config, in a few words."""
+    from lnstrain.checkpoint.async_save import background_save_refusal
+
+    if config.checkpoint.async_save is False:
+        return "off (checkpoint.async_save: false)"
+    refusal = background_save_refusal(config)
+    if refusal is None:
+        return "on"
+    return f"{'refused' if config.checkpoint.async_save else 'off'}: {refusal}"
 
 
 def _count(n: float) -> str:
@@ -174,6 +188,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"yet measured): CUDA context {_gib(gpu['cuda_context_bytes']).strip()}, NCCL "
         f"{_gib(gpu['nccl_bytes']).strip()}, cuBLAS and flash-attention workspaces "
         f"{_gib(gpu['workspaces_bytes']).strip()}, allocator slack {gpu['allocator_fraction']:.0%} of the tensors",
+        f"  host memory for checkpoint snapshots: {_gib(mem['checkpoint_snapshot_host_bytes']).strip()} per rank, "
+        f"kept from the first save on (checkpoint.async_save {mem['checkpoint_async_save']}; pinned with CUDA); "
+        "times the ranks of one machine, it must fit that machine's memory",
         "  activation formula: Korthikanti et al. 2022 adapted to the LLaMA block with SDPA/flash "
         "attention (no s×s scores stored); see lnstrain/estimate/memory.py. Reference GPT block "
         f"s·b·h·(34 + 5·a·s/h) = {_gib(mem['korthikanti_gpt_layer_bytes']).strip()} per layer",

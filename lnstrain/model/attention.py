@@ -12,11 +12,13 @@ softmax(q k^T) v, in backward instead of keeping what it saves: the inputs q, k,
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lnstrain.model.config import ModelConfig
@@ -26,6 +28,29 @@ from lnstrain.parallel.mappings import enter_tp_region
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
+
+
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+"""``model.attention_backend``'s names for torch's SDPA kernels."""
+HOPPER_PREFERENCE = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
+"""``auto`` on compute capability 9: cuDNN's fused attention first (faster than FlashAttention-2 on
+Hopper in torch's and NVIDIA's measurements), each next kernel where the previous cannot run."""
+
+
+_PRIORITY = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+"""``sdpa_kernel``'s ``set_priority`` (torch 2.6+): the list's order is the order tried, not only the set allowed."""
+
+
+def sdpa_backends(choice: str, device_type: str) -> list[SDPBackend] | None:
+    """The SDPA kernels ``model.attention_backend`` allows on ``device_type``, in order of preference;
+    None leaves the choice to torch."""
+    if choice != "auto":
+        return [SDPA_BACKENDS[choice]]
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        return list(HOPPER_PREFERENCE)
+    return None
 
 
 def kv_head_copies(cfg: ModelConfig, tp_size: int) -> int:
@@ -49,6 +74,8 @@ class Attention(nn.Module):
         self.local_kv_heads = max(cfg.kv_heads // tp, 1)
         self.dropout = cfg.attention_dropout
         self.checkpoint_core = False
+        self.sdpa_backends = sdpa_backends(cfg.attention_backend, "cpu")
+        """SDPA's allowed kernels in order (None: torch's choice); ``build_model`` sets them for the device."""
 
         q = OutputPart("q", cfg.num_heads * cfg.head_dim, cfg.num_heads)
         k = OutputPart("k", cfg.kv_heads * cfg.head_dim, cfg.kv_heads)
@@ -86,7 +113,13 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim]."""
+        """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], on ``sdpa_backends``."""
+        if self.sdpa_backends is None:
+            return self._sdpa(q, k, v)
+        with sdpa_kernel(self.sdpa_backends, **_PRIORITY):
+            return self._sdpa(q, k, v)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.local_kv_heads != self.local_heads,

@@ -9,7 +9,8 @@
    projections and embeddings; norms are replicated). At pipeline size 1 that is a ``Transformer``;
    with a pipeline, this rank's stage of a DeepSpeed ``PipelineModule`` (``model.pipeline``), cut
    between layers that keep their global number ℓ, so LNS's 1/√ℓ is the same in every layout.
-   Activation checkpointing and ``train.compile`` are applied here, to every ``TransformerBlock``, once.
+   Activation checkpointing and ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by
+   default, never at ZeRO 3) are applied here, to every ``TransformerBlock``, once.
 
 Data parallelism and ZeRO are DeepSpeed's: ``training.engine.build_engine`` hands the module to
 ``deepspeed.initialize``. Weights are drawn per parameter name from ``model.init_seed``, so every
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lnstrain.model.attention import kv_head_copies
+from lnstrain.config.feasibility import compiles_layers
+from lnstrain.model.attention import kv_head_copies, sdpa_backends
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -41,9 +43,10 @@ def build_groups(config: Config) -> ParallelGroups:
                                 tp_replica_copies=kv_head_copies(config.model, parallel.tensor))
 
 
-def build_model(config: Config, groups: ParallelGroups) -> nn.Module:
+def build_model(config: Config, groups: ParallelGroups, device_type: str = "cpu") -> nn.Module:
     """This rank's model: a ``Transformer`` at pipeline size 1, else its ``PipelineModule`` stage, with
-    ``config.train``'s activation checkpointing and compilation applied."""
+    ``config.train``'s activation checkpointing and compilation applied; ``device_type`` is where it will
+    train (``train.compile: auto`` compiles on ``cuda`` only)."""
     if groups.pp_size > 1:
         from lnstrain.model.pipeline import build_pipeline_module  # imports DeepSpeed's pipeline: seconds
 
@@ -51,10 +54,13 @@ def build_model(config: Config, groups: ParallelGroups) -> nn.Module:
     else:
         module = Transformer(config.model, groups)
     blocks = [block for block in module.modules() if isinstance(block, TransformerBlock)]
+    attention_kernels = sdpa_backends(config.model.attention_backend, device_type)
     for block in blocks:
         block.set_activation_checkpointing(config.train.activation_checkpointing)
-    if config.train.compile:
-        logger.info("train.compile: torch.compile compiles each transformer block during the first step")
+        block.attention.sdpa_backends = attention_kernels
+    if compiles_layers(config, device_type):
+        backend = config.train.compile_backend
+        logger.info("train.compile: torch.compile (%s) compiles the transformer layers during the first step", backend)
         for block in blocks:
-            block.compile()
+            block.compile(backend=backend)
     return module

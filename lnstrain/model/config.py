@@ -24,6 +24,11 @@ class ModelConfig:
     num_kv_heads: int | None = None
     """Grouped-query attention; None means num_heads (plain multi-head attention)."""
     ffn_hidden_size: int = 11008
+    """Width of the SwiGLU MLP (after rounding up to ``ffn_multiple_of``)."""
+    ffn_multiple_of: int = 1
+    """Round ``ffn_hidden_size`` up to a multiple of this (LLaMA's ``multiple_of``, 256 there): a width
+    that is a multiple of 64 or more keeps the MLP's matrix products on full tensor-core tiles and lets
+    it split over tensor ranks. The resolved config records the rounded width."""
     max_seq_len: int = 2048
     norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
@@ -43,8 +48,14 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """The SDPA kernel attention runs: ``auto`` prefers cuDNN's on Hopper GPUs (compute capability 9),
+    then flash, memory-efficient and math as each fits, and leaves the choice to torch elsewhere; a named
+    kernel is the only one allowed (torch raises where it cannot run the shapes or dtype)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.ffn_multiple_of, int) and isinstance(self.ffn_hidden_size, int) and self.ffn_multiple_of > 1:
+            self.ffn_hidden_size = -(-self.ffn_hidden_size // self.ffn_multiple_of) * self.ffn_multiple_of
         if isinstance(self.norm_scheme, str) and not isinstance(self.norm_scheme, NormScheme):
             try:
                 self.norm_scheme = NormScheme(self.norm_scheme)
@@ -67,7 +78,7 @@ class ModelConfig:
     def validate(self, tensor_parallel: int = 1) -> list[str]:
         """Every problem with this config, each naming the key to change; empty when valid."""
         problems: list[str] = []
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "ffn_multiple_of",
                     "max_seq_len", "make_vocab_size_divisible_by"):
             if getattr(self, key) <= 0:
                 problems.append(f"model.{key} ({getattr(self, key)}) must be positive")
@@ -106,12 +117,12 @@ class ModelConfig:
         if self.num_heads % tp:
             problems.append(f"model.num_heads ({self.num_heads}) must be divisible by "
                             f"parallel.tensor ({tp})")
-        if self.kv_heads % tp and tp % self.kv_heads:
+        if self.num_kv_heads is not None and self.kv_heads % tp and tp % self.kv_heads:  # unset: num_heads's line
             problems.append(f"model.num_kv_heads ({self.kv_heads}) must divide or be divisible by "
                             f"parallel.tensor ({tp})")
         if self.ffn_hidden_size % tp:
             problems.append(f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                            f"parallel.tensor ({tp})")
+                            f"parallel.tensor ({tp}); model.ffn_multiple_of: 256 rounds it up (LLaMA's rule)")
         for key in ("attention_dropout", "hidden_dropout"):
             if getattr(self, key) > 0:
                 problems.append(f"model.{key} ({getattr(self, key)}) must be 0 with parallel.tensor > 1: "

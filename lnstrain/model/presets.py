@@ -1,4 +1,11 @@
-"""Model size presets (LLaMA shapes, vocabulary 32000 unless noted)."""
+"""Model size presets (LLaMA shapes, vocabulary 32000 unless noted).
+
+The 60M-1B presets are the LNS paper's shapes (its Table 1 and appendix), FFN widths included; 7B is
+LLaMA-7B's. The paper's 1B FFN width, 5461 (= 2/3 of 4 × 2048, not rounded), is odd: its matrix
+products miss the GPU's tensor-core tiles and it cannot split over tensor ranks. ``1b_fast`` is the
+same model with the width rounded up to a multiple of 256 as LLaMA does (5632, 3.1% more parameters):
+the shape to train for speed, while ``1b`` is the one to reproduce the paper with.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "250m": dict(hidden_size=768, ffn_hidden_size=2560, num_layers=24, num_heads=16, max_seq_len=1024),
     "350m": dict(hidden_size=1024, ffn_hidden_size=2736, num_layers=24, num_heads=16, max_seq_len=1024),
     "1b": dict(hidden_size=2048, ffn_hidden_size=5461, num_layers=24, num_heads=32, max_seq_len=1024),
+    "1b_fast": dict(hidden_size=2048, ffn_hidden_size=5461, ffn_multiple_of=256, num_layers=24, num_heads=32,
+                    max_seq_len=1024),
     "7b": dict(hidden_size=4096, ffn_hidden_size=11008, num_layers=32, num_heads=32, max_seq_len=2048),
 }
 

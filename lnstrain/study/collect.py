@@ -1,8 +1,13 @@
-"""``collect``: final validation loss and perplexity of every run, as CSV, Markdown and a plot.
+"""``collect``: final validation loss, perplexity and downstream accuracy of every run, as CSV,
+Markdown and a plot.
 
 Each run's result comes from ``lnstrain.study.results.final_metrics`` (``final_metrics.json``, else
-the TensorBoard ``eval/loss`` at the last step). Unfinished runs are listed as missing. The plot
-(loss against parameter count, log x, one line per scheme, seeds averaged) needs matplotlib.
+the TensorBoard ``eval/loss`` at the last step). Unfinished runs are listed as missing. Beside
+perplexity, each lm-evaluation-harness task evaluated on the run's final checkpoint
+(``<run dir>/downstream/step<N>.json``, from ``train.eval_tasks`` or ``tools/evaluate.py``) gets a
+column with its headline metric (``acc_norm``, else ``acc``, ...; ``evaluation.results.headline``),
+blank where that run was not evaluated. The plot (loss against parameter count, log x, one line per
+scheme, seeds averaged) needs matplotlib.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from lnstrain.evaluation.results import run_headlines
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
 
@@ -30,7 +36,22 @@ def read_result(planned: PlannedRun) -> dict:
     metrics = final_metrics(planned.config.run.dir, planned.config.total_steps)
     if metrics:
         row.update({key: metrics[key] for key in ("step", "tokens", "eval_loss", "eval_ppl")}, status="done")
+        for task, (metric, value) in run_headlines(planned.config.run.dir, int(metrics["step"])).items():
+            row[downstream_column(task, metric)] = value
     return row
+
+
+def downstream_column(task: str, metric: str) -> str:
+    return f"downstream {task} {metric}"
+
+
+def downstream_columns(rows: list[dict]) -> list[str]:
+    """The downstream columns any run has, in the order first seen."""
+    return list(dict.fromkeys(key for row in rows for key in row if key.startswith("downstream ")))
+
+
+def _cell(value, digits: int) -> str:
+    return "—" if value in ("", None) else f"{value:.{digits}f}"
 
 
 def series(row: dict) -> str:
@@ -48,22 +69,35 @@ def mean_by_size_and_scheme(rows: list[dict]) -> dict[tuple[str, str], tuple[int
             for key, group in groups.items()}
 
 
+def mean_downstream(rows: list[dict], size: str, scheme: str, column: str) -> float | None:
+    """The mean of a downstream column over the finished seeds of (size, series) that were evaluated."""
+    values = [r[column] for r in rows if r["status"] == "done" and r["size"] == size and series(r) == scheme
+              and r.get(column) not in ("", None)]
+    return mean(values) if values else None
+
+
 def markdown_table(rows: list[dict], sizes: list[str], schemes: list[str]) -> str:
-    """Perplexity by size (rows) and scheme (columns), seeds averaged, then every run."""
+    """Perplexity (and each downstream task) by size (rows) and scheme (columns), seeds averaged, then
+    every run; — where a run is missing or was not evaluated on a task."""
     means = mean_by_size_and_scheme(rows)
     params = {r["size"]: r["parameters"] for r in rows}
-    lines = ["| size | parameters | " + " | ".join(f"{s} ppl" for s in schemes) + " |",
-             "|---|---|" + "---|" * len(schemes)]
+    downstream = downstream_columns(rows)
+    headers = [f"{s} ppl" for s in schemes] + [f"{s} {c.removeprefix('downstream ')}" for c in downstream for s in schemes]
+    lines = ["| size | parameters | " + " | ".join(headers) + " |", "|---|---|" + "---|" * len(headers)]
     for size in sizes:
         cells = [f"{means[(size, s)][2]:.2f}" if (size, s) in means else "—" for s in schemes]
+        cells += [_cell(mean_downstream(rows, size, s, c), 4) for c in downstream for s in schemes]
         millions = params[size] / 1e6
         shown = f"{millions:,.0f}M" if millions >= 100 else f"{millions:.3g}M"  # the depth studies' sizes are < 10M
         lines.append(f"| {size} | {shown} | " + " | ".join(cells) + " |")
-    lines += ["", "| run | eval loss | eval ppl | tokens | status |", "|---|---|---|---|---|"]
+    titles = [c.removeprefix("downstream ") for c in downstream]
+    lines += ["", "| run | eval loss | eval ppl | " + "".join(f"{t} | " for t in titles) + "tokens | status |",
+              "|---|---|---|" + "---|" * len(titles) + "---|---|"]
     for r in rows:
         loss = f"{r['eval_loss']:.4f}" if r["status"] == "done" else "—"
         ppl = f"{r['eval_ppl']:.2f}" if r["status"] == "done" else "—"
-        lines.append(f"| {r['run']} | {loss} | {ppl} | {r['tokens']} | {r['status']} |")
+        scores = "".join(f"{_cell(r.get(c), 4)} | " for c in downstream)
+        lines.append(f"| {r['run']} | {loss} | {ppl} | {scores}{r['tokens']} | {r['status']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +137,7 @@ def collect_results(planned: list[PlannedRun], out_dir: Path, sizes: list[str], 
     schemes = list(dict.fromkeys(series(row) for row in rows)) if any(r["variant"] for r in rows) else schemes
     files = {"csv": out_dir / "results.csv", "markdown": out_dir / "results.md"}
     with open(files["csv"], "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS + downstream_columns(rows), restval="")
         writer.writeheader()
         writer.writerows(rows)
     files["markdown"].write_text(f"# {title}\n\n" + markdown_table(rows, sizes, schemes), encoding="utf-8")

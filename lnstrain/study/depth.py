@@ -9,9 +9,12 @@ Files under ``<output_dir>/_study/depth/``:
     claims.csv                    one row per (size, variant, step, claim, scheme): values and verdict
     layers.csv                    one row per (run, step, layer): ΔP, variance, d(l, l+1), norm gains
     report.md                     per size and variant: verdicts against training tokens, where they turn,
-                                  and the deep half's mean ΔP against tokens; plots beside it (matplotlib)
+                                  the deep half's mean ΔP, the validation loss and each downstream task
+                                  (where ``<run dir>/downstream/step<N>.json`` exists) against tokens;
+                                  plots beside it (matplotlib)
 
-Runs of one scheme with different seeds are seeds of one comparison (``claims.evaluate_claims``).
+Runs of one scheme with different seeds are seeds of one configuration (``claims.evaluate_claims``
+with each run's scheme as its group).
 A checkpoint that is missing (the run is shorter, or not there yet) is skipped and listed.
 """
 
@@ -29,6 +32,7 @@ from lnstrain.analysis.claims import (ClaimResult, deep_half_mean_delta_loss, de
                                       turning_step, verdict_mark)
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.evaluation.results import run_headlines
 from lnstrain.study.depth_archive import DepthArchive, open_archive, trained_as
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.spec import DepthCollection, Study
@@ -69,13 +73,13 @@ def analysis_steps(depth: DepthCollection, total_steps: int) -> list[int]:
 
 def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> DepthAnalysis:
     """Depth analysis of one checkpoint on the study's validation data."""
-    from lnstrain.analysis.eval_data import validation_batches
+    from lnstrain.analysis.eval_data import token_file_windows
     from lnstrain.analysis.model_loading import load_for_analysis
 
     config, model = load_for_analysis(checkpoint=str(step_dir))
-    batches = validation_batches(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
+    windows = token_file_windows(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
                                  config.model.vocab_size)
-    return analyze_model(model, batches, name=name)
+    return analyze_model(model, windows.batches, name=name, windows=windows.record)
 
 
 def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
@@ -121,9 +125,10 @@ def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Compar
     root = study.output_dir / "_study" / "depth" / "compare"
     for (size, variant, step), members in groups.items():
         runs = [m.analysis for m in members]
-        claims = evaluate_claims(runs, reference=study.spec.depth.reference)
+        by_scheme = [run.norm_scheme for run in runs]  # a scheme's runs are seeds of one configuration
+        claims = evaluate_claims(runs, reference=study.spec.depth.reference, groups=by_scheme)
         comparison = Comparison(size, variant, step, members[0].tokens, members, claims)
-        write_report(runs, root / comparison.label / f"step{step}", plots=False, claims=claims)
+        write_report(runs, root / comparison.label / f"step{step}", plots=False, claims=claims, groups=by_scheme)
         comparisons.append(comparison)
     order = {(s, v): i for i, (s, v) in enumerate(dict.fromkeys((a.run.run.size, a.run.run.variant) for a in analyses))}
     return sorted(comparisons, key=lambda c: (order[(c.size, c.variant)], c.step))
@@ -198,6 +203,7 @@ def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
         lines.append("")
         for title, statistic in SERIES_STATISTICS:
             lines += series_table(series, title, statistic)
+        lines += downstream_tables(series)
     return lines
 
 
@@ -209,16 +215,34 @@ def deep_half_mean_gain(analysis: DepthAnalysis) -> float | None:
                             for gain in analysis.norm_gains[layer - 1])
 
 
-SERIES_STATISTICS: list[tuple[str, Callable[[DepthAnalysis], float | None]]] = [
-    ("Mean ΔP of the deepest half (nats", deep_half_mean_delta_loss),
+SERIES_STATISTICS: list[tuple[str, Callable[[CheckpointAnalysis], float | None]]] = [
+    ("Mean ΔP of the deepest half (nats", lambda member: deep_half_mean_delta_loss(member.analysis)),
     ("Mean effective pre-sublayer norm gain of the deepest half (learned gain times the scheme's factor",
-     deep_half_mean_gain),
-    ("Validation loss of the measured windows (nats", lambda analysis: analysis.baseline.loss),
+     lambda member: deep_half_mean_gain(member.analysis)),
+    ("Validation loss of the measured windows (nats", lambda member: member.analysis.baseline.loss),
 ]
 
 
+def downstream_tables(series: Sequence[Comparison]) -> list[str]:
+    """One table per lm-evaluation-harness task any analysed checkpoint of ``series`` was evaluated on
+    (its headline metric, ``evaluation.results.headline``); – where a checkpoint was not evaluated."""
+    found: dict[tuple[str, int], dict[str, tuple[str, float]]] = {}
+    for c in series:
+        for m in c.members:
+            found[(m.run.run.name, c.step)] = run_headlines(m.run.config.run.dir, c.step)
+    tasks = list(dict.fromkeys((task, metric) for scores in found.values() for task, (metric, _) in scores.items()))
+    lines = []
+    for task, metric in tasks:
+        def score(member: CheckpointAnalysis, task: str = task, metric: str = metric) -> float | None:
+            pair = found[(member.run.run.name, member.step)].get(task)
+            return pair[1] if pair is not None and pair[0] == metric else None
+
+        lines += series_table(series, f"Downstream: {task} {metric} (lm-evaluation-harness on the checkpoint", score)
+    return lines
+
+
 def series_table(series: Sequence[Comparison], title: str,
-                 statistic: Callable[[DepthAnalysis], float | None]) -> list[str]:
+                 statistic: Callable[[CheckpointAnalysis], float | None]) -> list[str]:
     """One statistic per scheme (seed mean, each seed in brackets when several) against tokens."""
     schemes = list(dict.fromkeys(m.run.run.scheme for c in series for m in c.members))
     lines = [f"{title}; seeds averaged, each seed in brackets when several):", "",
@@ -226,7 +250,7 @@ def series_table(series: Sequence[Comparison], title: str,
     for scheme in schemes:
         cells = []
         for c in series:
-            values = [statistic(m.analysis) for m in c.members if m.run.run.scheme == scheme]
+            values = [statistic(m) for m in c.members if m.run.run.scheme == scheme]
             values = [v for v in values if v is not None]
             if not values:
                 cells.append("–")

@@ -84,7 +84,8 @@ class PlannedRun:
                        data=cfg.data_parallel_size(gpus), zero_stage=cfg.parallel.zero_stage,
                        micro_batch=cfg.train.micro_batch_size, accumulation=cfg.grad_accumulation_steps(gpus),
                        recompute=cfg.train.activation_checkpointing,
-                       memory_gib=round(self.choice.memory.total / GIB, 2), notes=self.choice.notes)
+                       memory_gib=round(self.choice.memory.total / GIB, 2),
+                       snapshot_host_gib=round(self.choice.memory.snapshot / GIB, 2), notes=self.choice.notes)
         return row
 
 
@@ -121,19 +122,23 @@ def format_plan(study: Study, planned: list[PlannedRun], speed: SpeedAssumption 
     """A Markdown table of the plan, the assumptions, and every refusal."""
     cluster, speed = study.cluster, speed or assumed_speed(study)
     header = ("| run | params | non-emb | tokens | FLOPs | GPUs | nodes | tp×pp×dp | ZeRO | micro×acc | recompute "
-              "| mem/GPU GiB | GPU-h |")
+              "| mem/GPU GiB | snapshot host GiB/node | GPU-h |")
     lines = [f"# Plan of study '{study.spec.name}' on '{cluster.name}'", "",
              f"GPU-hours = FLOPs / ({cluster.peak_tflops:g} TFLOP/s × MFU {speed.mfu:.1%}); FLOPs = tokens × "
              f"(6N + 12·L·h·s). Memory must stay under {cluster.memory_margin:.0%} of "
-             f"{cluster.gpu_memory_gib:g} GiB per GPU.", "", f"Speed: MFU {speed.mfu:.1%}, {speed.source}.", "", header, "|" + "---|" * (header.count("|") - 1)]
+             f"{cluster.gpu_memory_gib:g} GiB per GPU. A checkpoint written in the background (checkpoint.async_save) "
+             "first copies each rank's weights and optimizer state into host memory, kept between saves: "
+             "'snapshot host GiB/node' is that for one node's ranks.", "", f"Speed: MFU {speed.mfu:.1%}, {speed.source}.", "", header, "|" + "---|" * (header.count("|") - 1)]
     for p in planned:
         nodes = math.ceil(p.gpus / cluster.gpus_per_node)
         if p.choice:
             r = p.row()
+            per_node = r["snapshot_host_gib"] * min(p.gpus, cluster.gpus_per_node)
             layout = (f"{r['tensor']}×{r['pipeline']}×{r['data']} | {r['zero_stage']} | "
-                      f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f}")
+                      f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f} | "
+                      f"{per_node:.1f}")
         else:
-            layout = "— | — | — | — | does not fit"
+            layout = "— | — | — | — | does not fit | —"
         lines.append(f"| {p.run.name} | {_short(p.parameters)} | {_short(p.non_embedding_parameters)} | "
                      f"{_short(p.tokens)} | {p.flops:.2e} | {p.gpus} | {nodes} | {layout} | {p.gpu_hours:,.1f} |")
     total = sum(p.gpu_hours for p in planned)

@@ -100,9 +100,24 @@ class TrainConfig:
         seed: seeds weights, data order and dropout.
         eval_interval: evaluate on held-out data every this many steps (and at the end); 0: only at the end.
         eval_batches: global batches per evaluation.
+        eval_tasks: lm-evaluation-harness tasks (lm-eval's names, e.g. ``[hellaswag, arc_easy]``) rank 0
+            runs on checkpoints during training (``pip install 'lnstrain[eval]'``): on those saved at
+            multiples of ``eval_tasks_interval`` and on the final one, each once its save is published
+            (with ``checkpoint.async_save``, at a later step boundary), through the Hugging Face export
+            in memory, as ``tools/evaluate.py`` does. The other ranks wait at their next collective, so
+            one evaluation must take less than ``collective_timeout_minutes`` (``eval_tasks_limit``).
+        eval_tasks_interval: evaluate ``eval_tasks`` on the checkpoint of every step that is a multiple
+            of this (a multiple of ``checkpoint.interval_steps``); 0: on the final checkpoint only.
+        eval_tasks_include_path: directories of task YAMLs of your own (lm-eval's ``--include_path``).
+        eval_tasks_limit: at most this many documents per task (below 1: that share); unset: all.
         activation_checkpointing: ``none``, ``full`` (recompute each layer) or ``selective``
             (recompute attention only).
-        compile: wrap each transformer layer in ``torch.compile``.
+        compile: compile each transformer layer with ``torch.compile``: ``auto`` (the default) on CUDA
+            wherever it composes with the layout (every ZeRO stage but 3), not on the CPU (the first
+            compilation costs more than it saves there); ``true`` anywhere it composes; ``false`` never.
+        compile_backend: ``torch.compile``'s backend: ``inductor`` (generates fused kernels) or
+            ``aot_eager`` (traces forward and backward without generating kernels: for debugging a
+            compiled run, and the CPU tests of how compilation composes with each layout).
         exit_after_minutes: save and stop cleanly (every rank after the same step, exit status 75)
             before this many minutes have passed since training started in this process (Megatron-LM's
             ``--exit-duration-in-mins``); for a job time limit without a warning signal. The margin
@@ -130,8 +145,13 @@ class TrainConfig:
     seed: int = 1234
     eval_interval: int = 1000
     eval_batches: int = 10
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_tasks_interval: int = 0
+    eval_tasks_include_path: list[str] = field(default_factory=list)
+    eval_tasks_limit: float | None = None
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     exit_after_minutes: float | None = None
     nonfinite_policy: Literal["skip", "stop", "rollback"] = "skip"
     max_nonfinite_in_a_row: int = 10
@@ -155,6 +175,10 @@ class TrainConfig:
                 problems.append(f"train.{key} must be >= 1 (got {value})")
         if self.eval_interval < 0 or self.eval_batches < 0:
             problems.append("train.eval_interval and train.eval_batches must be >= 0")
+        if self.eval_tasks_interval < 0:
+            problems.append(f"train.eval_tasks_interval must be >= 0 (got {self.eval_tasks_interval})")
+        if self.eval_tasks_limit is not None and self.eval_tasks_limit <= 0:
+            problems.append(f"train.eval_tasks_limit must be > 0 (got {self.eval_tasks_limit})")
         if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
             problems.append(f"train.exit_after_minutes must be > 0 (got {self.exit_after_minutes})")
         if self.nonfinite_policy not in ("skip", "stop", "rollback"):

@@ -102,7 +102,8 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
                 config.model.num_layers, config.model.hidden_size, config.model.norm_scheme.value)
     if overcounted_kv_rows(config):  # refused where DeepSpeed clips; kept where lnstrain does, for existing runs
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
-    module = build_model(config, groups).to(training_device())  # before the optimizer picks its kernel
+    device = training_device()
+    module = build_model(config, groups, device.type).to(device)  # before the optimizer picks its kernel
     optimizer = build_optimizer(module, config.optim)
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
@@ -193,9 +194,9 @@ class TrainingEngine:
         self._deepspeed.save_checkpoint(str(step_dir.parent), tag=step_dir.name, save_latest=False,
                                         client_state=client_state or {})
 
-    def load_checkpoint(self, step_dir: Path) -> bool:
-        """Restore weights, optimizer and schedule from ``step_dir`` (saved at this layout); False when
-        DeepSpeed found nothing to load there."""
+    def load_checkpoint(self, step_dir: Path) -> dict[str, Any] | None:
+        """Restore weights, optimizer and schedule from ``step_dir`` (saved at this layout): the
+        ``client_state`` its save stored, or None when DeepSpeed found nothing to load there."""
         return load_checkpoint_files(self._deepspeed, str(step_dir.parent), step_dir.name)
 
     def restore_step_counters(self, counters: Mapping[str, int]) -> None:

@@ -1,8 +1,8 @@
-"""Progress lines on the console and scalars in TensorBoard (rank 0 only).
+"""Progress lines on the console, and scalars to the run's sinks (rank 0 only).
 
-Every scalar is written twice: under its own tag with the optimizer step as x-axis, and under
-``by_tokens/<tag>`` with the number of training tokens seen as x-axis, so runs with different batch
-sizes can be compared on one plot.
+The sinks are TensorBoard and W&B (``lnstrain.tracking.sinks``). Training and validation scalars
+carry the tokens seen as a second x-axis (TensorBoard: ``by_tokens/<tag>``), so runs with different
+batch sizes can be compared on one plot.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from lnstrain.run_files import EVAL_LOSS_TAG
+from lnstrain.tracking.sinks import MetricSinks
 
 logger = logging.getLogger(__name__)
 
@@ -48,32 +48,21 @@ def perplexity(loss: float) -> float:
 
 
 class MetricsLogger:
-    """Averages steps over each logging interval, prints one line, writes TensorBoard scalars.
+    """Averages steps over each logging interval, prints one line, hands the scalars to the sinks.
 
     Args:
-        is_writer: only the writing rank (global rank 0) prints progress and owns the event files.
-        tensorboard_dir: where event files go; None disables TensorBoard.
+        is_writer: only the writing rank (global rank 0) prints progress and has sinks.
+        sinks: where scalars go (empty on other ranks, or with every tracker off).
     """
 
-    def __init__(self, total_steps: int, tokens_per_step: int, is_writer: bool,
-                 tensorboard_dir: Path | None) -> None:
+    def __init__(self, total_steps: int, tokens_per_step: int, is_writer: bool, sinks: MetricSinks | None = None) -> None:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.is_writer = is_writer
-        self.writer = None
-        if is_writer and tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        self.sinks = sinks if sinks is not None else MetricSinks()
         self._window: list[StepMetrics] = []
         self._started = time.monotonic()
         self._steps_this_run = 0
-
-    def scalar(self, tag: str, value: float | None, step: int, tokens_seen: int) -> None:
-        if self.writer is None or value is None or not math.isfinite(value):
-            return
-        self.writer.add_scalar(tag, value, step)
-        self.writer.add_scalar(f"by_tokens/{tag}", value, tokens_seen)
 
     def record_step(self, metrics: StepMetrics, log_now: bool) -> None:
         self._window.append(metrics)
@@ -100,28 +89,33 @@ class MetricsLogger:
         logger.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tokens/s | %s tokens | ETA %s%s%s",
                     last.step, self.total_steps, loss, last.lr, grad_norm, tokens_per_s,
                     f"{last.tokens_seen:,}", format_duration(eta), scale, health)
-        for tag, value in (("train/loss", loss), ("train/lr", last.lr), ("train/grad_norm", last.grad_norm),
-                           ("train/loss_scale", last.loss_scale), ("train/tokens_per_s", tokens_per_s),
-                           ("train/tokens_seen", float(last.tokens_seen)),
-                           ("train/nonfinite_steps", float(last.nonfinite_steps)),
-                           ("train/skipped_batches", float(last.skipped_batches)),
-                           ("train/loss_spikes", float(last.loss_spikes))):
-            self.scalar(tag, value, last.step, last.tokens_seen)
+        self.sinks.log_scalars({
+            "train/loss": loss, "train/lr": last.lr, "train/grad_norm": last.grad_norm,
+            "train/loss_scale": last.loss_scale, "train/tokens_per_s": tokens_per_s,
+            "train/tokens_seen": float(last.tokens_seen), "train/nonfinite_steps": float(last.nonfinite_steps),
+            "train/skipped_batches": float(last.skipped_batches), "train/loss_spikes": float(last.loss_spikes),
+        }, last.step, last.tokens_seen)
 
     def record_eval(self, step: int, tokens_seen: int, loss: float) -> None:
         if not self.is_writer:
             return
         logger.info("eval at step %d | loss %.4f | perplexity %.2f", step, loss, perplexity(loss))
-        self.scalar(EVAL_LOSS_TAG, loss, step, tokens_seen)
-        self.scalar("eval/perplexity", perplexity(loss), step, tokens_seen)
+        self.sinks.log_scalars({EVAL_LOSS_TAG: loss, "eval/perplexity": perplexity(loss)}, step, tokens_seen)
 
     def record_depth_stats(self, stats: dict[str, float], step: int) -> None:
-        if self.writer is not None:
-            from lnstrain.analysis.depth_stats import write_depth_stats
+        """``DepthStatsCollector.collect``'s scalars, and one value-against-depth profile per statistic."""
+        if not self.sinks:
+            return
+        from lnstrain.analysis.depth_stats import PROFILE_PREFIX, layer_profiles
 
-            write_depth_stats(self.writer, stats, step)
+        self.sinks.log_scalars(stats, step)
+        self.sinks.log_layer_profiles({f"{PROFILE_PREFIX}/{stat}": values
+                                       for stat, values in layer_profiles(stats).items()}, step)
+
+    def record_scalars(self, scalars: dict[str, float], step: int, tokens_seen: int | None = None) -> None:
+        """Other scalars at ``step`` (downstream accuracy)."""
+        if self.is_writer:
+            self.sinks.log_scalars(scalars, step, tokens_seen)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+        self.sinks.close()

@@ -8,8 +8,11 @@ The exit status tells a scheduler, a batch script or a job chain what happened:
 1     failed: an error (a traceback says which); rerunning the same command may not help
 2     nothing started: a bad config, missing files, a busy rendezvous port
 3     stopped by non-finite losses (``train.nonfinite_policy``); the last good weights are saved
-75    stopped to be resumed: a signal (SIGTERM/SIGUSR1) or ``train.exit_after_minutes`` made
-      every rank save after the same step; the same command continues the run
+75    stopped to be resumed: a signal (SIGTERM, SIGUSR1, a first Ctrl-C), ``--stop-at-step`` or
+      ``train.exit_after_minutes`` made every rank save after the same step; the same command
+      continues the run
+130   interrupted: a second Ctrl-C stopped at once, or a Ctrl-C came before training began;
+      the newest complete checkpoint is kept and the same command resumes from it
 ====  ==================================================================================
 
 75 is ``EX_TEMPFAIL`` of BSD's ``sysexits.h``: "a temporary failure; the user is invited to retry".
@@ -31,6 +34,7 @@ EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command that Ctrl-C stopped
 
 
 def finished_step(run_dir: str | Path, total_steps: int) -> int | None:

@@ -13,12 +13,14 @@ import os
 import uuid
 from pathlib import Path
 
-import yaml
-
-from lnstrain.checkpoint.manager import data_mismatch_problems, resolve_resume
-from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.locations import link_problems, resolve_resume
+from lnstrain.checkpoint.manager import data_mismatch_problems
+from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, saved_config_data, step_of
+from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_checkpoint, nothing_verifies
 from lnstrain.config.loader import Typed
 from lnstrain.config.run_config import Config
+from lnstrain.tracking.wandb_sink import wandb_problems
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +42,14 @@ def tokenizer_problems(config: Config) -> list[str]:
         tokenizer = Tokenizer(path)
     except ValueError as error:
         return [f"data.tokenizer: {error}"]
-    if tokenizer.vocab_size > config.model.vocab_size:
-        return [f"data.tokenizer {path} has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                f"{config.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size} "
-                f"(--set model.vocab_size={tokenizer.vocab_size}) or use a smaller tokenizer"]
+    pieces, rows = tokenizer.vocab_size, config.model.vocab_size
+    if pieces > rows:
+        return [f"data.tokenizer {path} has {pieces} pieces but model.vocab_size is {rows}: the model has no "
+                f"embedding for ids {rows}..{pieces - 1}; set model.vocab_size to {pieces} "
+                f"(--set model.vocab_size={pieces}) or use a tokenizer of at most {rows} pieces"]
+    if pieces < rows:
+        logger.info("data.tokenizer has %d pieces and model.vocab_size is %d: %d embedding rows will never be used "
+                    "(--set model.vocab_size=%d would fit the tokenizer exactly)", pieces, rows, rows - pieces, pieces)
     return []
 
 
@@ -59,11 +65,30 @@ def writable_dir_problems(path: Path, key: str) -> list[str]:
     return []
 
 
+def run_trust(config: Config) -> Trust | None:
+    """The run's opt-ins and signing key (``verifier.Trust``); None when the key file is unusable
+    (``signing_key_problems`` says why)."""
+    try:
+        return Trust.from_config(config.checkpoint, [config.run.dir, config.checkpoint_dir])
+    except CheckpointError:
+        return None
+
+
+def signing_key_problems(config: Config) -> list[str]:
+    """``checkpoint.signing_key_file`` is a readable key of the owner's only, outside the run and
+    checkpoint directories."""
+    try:
+        Trust.from_config(config.checkpoint, [config.run.dir, config.checkpoint_dir])
+    except CheckpointError as error:
+        return [str(error)]
+    return []
+
+
 def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
     """The model shape must be the checkpoint's (DeepSpeed would fail later, after the queue wait)."""
     try:
-        saved = yaml.safe_load((step_dir / CONFIG_FILE).read_text(encoding="utf-8")).get("model", {})
-    except (OSError, yaml.YAMLError, AttributeError) as error:
+        saved = saved_config_data(step_dir / CONFIG_FILE)["model"]
+    except (OSError, ValueError) as error:
         return [f"checkpoint.resume: cannot read {step_dir / CONFIG_FILE}: {error}"]
     return [f"model.{key} is {value!r} but the checkpoint {step_dir} has {saved.get(key)!r}; resume with the "
             f"checkpoint's model, or start a new run (another run.name, or checkpoint.resume: none)"
@@ -74,9 +99,15 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     """The checkpoint to resume from exists, is complete, has this run's model shape, can be
     resharded to this run's layout (given ``world_size``) and (``compare_data``) was trained on this
     run's data and tokenizer."""
-    step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    if step_dir is None or problems:
+    step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir, log=False)
+    trust = run_trust(config)
+    if step_dir is None or problems or trust is None:
         return problems
+    explicit = step_of(Path(config.checkpoint.resume)) is not None
+    choice = choose_checkpoint(step_dir, trust, not explicit, lambda d: check_step_dir(d, trust, depth=QUICK), log=False)
+    if choice.step_dir is None:  # QUICK scans no pickles: never a refusal
+        return [nothing_verifies(step_dir, explicit, choice.skipped)]
+    step_dir = choice.step_dir  # what the resume will verify in full, and fall back from if need be
     problems = model_mismatch_problems(config, step_dir)
     if world_size is not None and not problems:
         from lnstrain.checkpoint.reshard import reshard_problems
@@ -99,12 +130,16 @@ def device_problems(config: Config, local_rank: int) -> list[str]:
     """This machine can run the precision, and has a GPU for this rank (lnstrain uses GPU ``LOCAL_RANK``)."""
     import torch
 
-    dtype = config.precision.dtype
+    dtype, attention = config.precision.dtype, config.model.attention_backend
     if not torch.cuda.is_available():
+        problems = []
         if dtype == "fp16":  # DeepSpeed's CPU accelerator takes it only on CPUs with fp16 instructions
-            return ["precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
-                    "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32"]
-        return []
+            problems.append("precision.dtype is fp16, which needs a CUDA GPU, and this machine has none "
+                            "(torch.cuda.is_available() is false); on CPU ranks use precision.dtype: bf16 or fp32")
+        if attention in ("cudnn", "efficient"):
+            problems.append(f"model.attention_backend is {attention}, a CUDA kernel, and this machine has no CUDA GPU; "
+                            "on the CPU use auto, flash or math")
+        return problems
     problems = []
     count = torch.cuda.device_count()
     if local_rank >= count:
@@ -146,6 +181,29 @@ def checkpoint_space_problems(config: Config) -> list[str]:
             f"set {key} to a larger file system"]
 
 
+def async_save_problems(config: Config, world_size: int, local_ranks: int, report: bool = True) -> list[str]:
+    """``checkpoint.async_save: true`` where checkpoints cannot be written in the background (another
+    DeepSpeed checkpoint engine), or where this machine's ranks' snapshots would not fit in its host
+    memory. Unset, the same findings are logged (``report``) and the run goes on: saves then block."""
+    import torch
+
+    from lnstrain.checkpoint.async_save import background_save_refusal, host_memory, snapshot_shortfall
+
+    if config.checkpoint.async_save is False:
+        return []
+    refusal = background_save_refusal(config) or snapshot_shortfall(config, world_size, local_ranks,
+                                                                      torch.cuda.is_available(), host_memory())
+    if refusal is None:
+        return []
+    if config.checkpoint.async_save:
+        return [f"checkpoint.async_save is true but {refusal}; set checkpoint.async_save: false (every save then "
+                "blocks training until its files are written), or leave it unset to save in the background where "
+                "the snapshot fits"]
+    if report:
+        logger.warning("checkpoints will block training while they are written: %s (checkpoint.async_save)", refusal)
+    return []
+
+
 def file_problems(config: Config) -> list[str]:
     """The token files open and fit the vocabularies; ``checkpoint.init_from`` names loadable weights."""
     from lnstrain.checkpoint.init_from_checks import init_from_problems
@@ -160,9 +218,38 @@ def file_problems(config: Config) -> list[str]:
         except ValueError:
             pass  # reported by tokenizer_problems
     problems = token_file_problems(config.data, config.model.vocab_size, tokenizer_vocab)
-    step_dir, _ = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    if config.checkpoint.init_from and step_dir is None:  # a resumed run ignores init_from
-        problems += init_from_problems(config.checkpoint.init_from, config.model, config.checkpoint.init_from_unfold_lns)
+    problems += signing_key_problems(config)
+    step_dir, _ = resolve_resume(config.checkpoint.resume, config.checkpoint_dir, log=False)
+    trust = run_trust(config)
+    if config.checkpoint.init_from and step_dir is None and trust is not None:  # a resumed run ignores init_from
+        problems += init_from_problems(config.checkpoint.init_from, config.model, config.checkpoint.init_from_unfold_lns,
+                                       trust)
+    return problems
+
+
+def downstream_problems(config: Config, rank: int) -> list[str]:
+    """``train.eval_tasks`` can be evaluated: checkpoints at those steps and at the end, a model with a
+    Hugging Face LLaMA form, and (global rank 0, which evaluates; indexing lm-eval's tasks takes seconds)
+    lm-eval installed and every task name known to it."""
+    train = config.train
+    if not train.eval_tasks:
+        return []
+    problems = []
+    every = config.checkpoint.interval_steps
+    if train.eval_tasks_interval and (not every or train.eval_tasks_interval % every):
+        problems.append(f"train.eval_tasks_interval ({train.eval_tasks_interval}) must be a multiple of "
+                        f"checkpoint.interval_steps ({every}): the tasks are evaluated on the checkpoints of those steps")
+    if not config.checkpoint.save_at_end:
+        problems.append("train.eval_tasks are evaluated on the final checkpoint: set checkpoint.save_at_end: true")
+    from lnstrain.checkpoint.hf_exportable import export_problems
+
+    problems += [f"train.eval_tasks go through the Hugging Face export, which refuses this model: {problem}"
+                 for problem in export_problems(config.model)]
+    if rank == 0 and not problems:
+        from lnstrain.evaluation.downstream import DownstreamTasks, task_problems
+
+        problems += task_problems(DownstreamTasks(list(train.eval_tasks), list(train.eval_tasks_include_path)),
+                                  key="train.eval_tasks")
     return problems
 
 
@@ -176,7 +263,8 @@ def in_use_problems(config: Config) -> list[str]:
 
 
 def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
-                       unreadable_keys: tuple[str, ...] = (), rank: int = 0) -> list[str]:
+                       unreadable_keys: tuple[str, ...] = (), rank: int = 0,
+                       local_ranks: int | None = None) -> list[str]:
     """Every problem with the config, this machine, the files, the output directories and the resume checkpoint.
 
     Creates the run and checkpoint directories (proving they are writable), unless a key that
@@ -184,7 +272,8 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     their defaults; problems that name them are left out). Only global rank 0 looks for another
     trainer on the run directory: rank 0 of this launch may already hold it while another rank is
     still checking (nothing makes every rank finish its checks first), and must not be taken for another
-    trainer.
+    trainer. ``local_ranks``: the ranks on this machine (default: all of them), whose checkpoint
+    snapshots share its host memory.
     """
     from lnstrain.config.deepspeed_json import deepspeed_config_problems
 
@@ -192,8 +281,12 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     if not problems:  # DeepSpeed's own parser needs a consistent layout (it divides by it)
         problems += deepspeed_config_problems(config, world_size)
     problems += device_problems(config, local_rank)
+    if not problems:  # the estimate needs a consistent layout
+        problems += async_save_problems(config, world_size, local_ranks or world_size, report=local_rank == 0)
     problems += tokenizer_problems(config)
     problems += file_problems(config)
+    problems += wandb_problems(config.logging.wandb)
+    problems += downstream_problems(config, rank)
     unreadable = Typed(None, unreadable_keys=list(unreadable_keys))
     places_output = ("run.output_dir", "run.name", "checkpoint.dir")
     if not any(unreadable.about_unreadable_keys(key) for key in places_output):
@@ -203,6 +296,7 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
         if config.checkpoint.dir or not run_dir_problems:
             checkpoint_dir_problems = writable_dir_problems(config.checkpoint_dir, checkpoint_key)
             problems += checkpoint_dir_problems or checkpoint_space_problems(config)
+        problems += link_problems(config.run.dir, config.checkpoint_dir)
         if rank == 0:
             problems += in_use_problems(config)
     if not problems:
@@ -212,9 +306,10 @@ def preflight_problems(config: Config, world_size: int, local_rank: int = 0,
     return [problem for problem in problems if not unreadable.about_unreadable_keys(problem)]
 
 
-def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0, rank: int = 0) -> list[str]:
+def run_problems(typed: Typed[Config], world_size: int, local_rank: int = 0, rank: int = 0,
+                 local_ranks: int | None = None) -> list[str]:
     """``read_config``'s typing problems and, when the config could be built, every preflight problem."""
     if typed.value is None:
         return list(typed.problems)
     return typed.problems + preflight_problems(typed.value, world_size, local_rank, tuple(typed.unreadable_keys),
-                                               rank)
+                                               rank, local_ranks)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class NonFiniteRecovery:
     def roll_back(self, position: TrainingPosition) -> RecoveryDecision | None:
         """Reload the newest checkpoint whose files verify and never train on the batch that just
         failed; None when there is no checkpoint to go back to."""
+        self.checkpoints.finish_background_save("rolling back")  # the newest checkpoint may be in flight
         step_dir = newest_checkpoint(self.config.checkpoint_dir)
         if step_dir is not None:
             step_dir, _ = self.checkpoints.verified_checkpoint(step_dir, fall_back=True)

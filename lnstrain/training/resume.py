@@ -1,9 +1,10 @@
 """Where a run starts: its own checkpoint (resharded when the parallel layout changed), the weights
 named by ``checkpoint.init_from``, or step 0.
 
-The checkpoint ``checkpoint.resume`` names is verified first (``CheckpointManager.verified_checkpoint``);
-when its files do not match their records, ``auto`` and a checkpoint directory fall back to the newest
-older checkpoint that verifies, while an explicit ``global_step<N>`` is refused.
+The checkpoint ``checkpoint.resume`` names is verified first (``CheckpointManager.verified_checkpoint``,
+``lnstrain.checkpoint.verifier``); when it does not verify, ``auto`` and a checkpoint directory fall
+back to the newest older checkpoint that does, while an explicit ``global_step<N>`` is refused. Every
+refusal here is reached by every rank alike (``CheckpointError.agreed``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lnstrain.checkpoint.errors import CheckpointError
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, resolve_resume
+from lnstrain.checkpoint.locations import resolve_resume
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import read_metadata, step_of
+from lnstrain.checkpoint.verifier import nothing_verifies
 from lnstrain.config.run_config import Config
 
 if TYPE_CHECKING:
@@ -24,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def _cannot_resume(problems: list[str]) -> CheckpointError:
-    return CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems))
+    return CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems), agreed=True)
 
 
 def restore_or_start(config: Config, engine: TrainingEngine,
@@ -40,7 +43,8 @@ def restore_or_start(config: Config, engine: TrainingEngine,
             from lnstrain.checkpoint.reshard import initialize_from
 
             logger.info("initialising the model from %s (checkpoint.init_from)", config.checkpoint.init_from)
-            initialize_from(engine, config.checkpoint.init_from, config.checkpoint.init_from_unfold_lns)
+            initialize_from(engine, config.checkpoint.init_from, config.checkpoint.init_from_unfold_lns,
+                            checkpoints.trust)
         return TrainingPosition(), None
     named = step_dir
     explicit_step = step_of(Path(config.checkpoint.resume)) is not None
@@ -48,11 +52,7 @@ def restore_or_start(config: Config, engine: TrainingEngine,
                 " (sizes and pickles only: checkpoint.verify_checksums is false)")
     step_dir, skipped = checkpoints.verified_checkpoint(step_dir, fall_back=not explicit_step)
     if step_dir is None:
-        what = (f"{named} does not hold what its save wrote; pick another global_step<N> "
-                "(tools/verify_checkpoint.py says which are OK)" if explicit_step else
-                f"no checkpoint in {named.parent} holds what its save wrote; restore the files, or start a new "
-                "run (another run.name, or checkpoint.resume: none)")
-        raise CheckpointError(f"cannot resume: {what}:\n  - " + "\n  - ".join(skipped))
+        raise CheckpointError(nothing_verifies(named, explicit_step, skipped), agreed=True)
     if step_dir != named:  # the pre-launch check compared the model with the one named, not this one
         from lnstrain.training.preflight import model_mismatch_problems
 

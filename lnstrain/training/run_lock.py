@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -81,9 +82,9 @@ def probe(directory: Path) -> str | None:
     rank can probe at once: probes share, only a trainer's lock excludes)."""
     lock_path = Path(directory) / RUN_LOCK_FILE
     try:
-        descriptor = os.open(lock_path, os.O_RDONLY)
+        descriptor = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return None  # never locked (or unreadable: the trainer's own open reports that)
+        return None  # never locked (or unreadable, or a link: the trainer's own open, and the pre-launch check, report it)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -103,9 +104,20 @@ class DirectoryLock:
         self.descriptor: int | None = None
 
     def acquire(self) -> str | None:
-        """Lock; None on success (or where the file system has no locks), else the in-use message."""
+        """Lock; None on success (or where the file system has no locks), else why not (the in-use
+        message, or a lock file that is a link)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.directory / RUN_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_path = self.directory / RUN_LOCK_FILE
+        try:  # never through a link: truncating and writing the holder's record would change its target
+            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            return (f"{lock_path} is a symbolic link (to {os.readlink(lock_path)}); lnstrain never makes one and does "
+                    "not write through it: remove it")
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            return f"{lock_path} is not a regular file; remove it"
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -23,13 +23,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition, newest_checkpoint
+from lnstrain.checkpoint.async_save import background_save_refusal
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
 from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, TENSORBOARD_DIR, FinalMetrics
+from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, FinalMetrics
+from lnstrain.tracking.run_sinks import open_run_sinks
+from lnstrain.training.eval_tasks import CheckpointEvaluator
 from lnstrain.training.evaluation import evaluate, validation_samples
 from lnstrain.training.health import LossSpikeDetector, NonFiniteGuard
 from lnstrain.training.metrics import MetricsLogger, StepMetrics, perplexity
@@ -118,9 +123,9 @@ class Trainer:
         self.engine = build_engine(config, self.groups)
         self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
                                              data_fingerprint(config.data), tokenizer_checksum(config))
-        tensorboard_dir = config.run.dir / TENSORBOARD_DIR if config.logging.tensorboard else None
-        self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0,
-                                     tensorboard_dir=tensorboard_dir)
+        self.saves_in_background = self._saves_in_background()
+        self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0)
+        self.downstream = CheckpointEvaluator(config, self.rank, self.engine.device, self.metrics)
         self.depth_stats = _depth_stats_collector(config, self.engine, self.groups)
         self.guard = None
         if config.precision.dtype != "fp16":  # fp16: DeepSpeed's loss scaler skips overflowing steps
@@ -130,6 +135,16 @@ class Trainer:
         self._micro_batches = None
         self._iterator_at = -1
 
+    def _open_sinks(self, position: TrainingPosition) -> None:
+        """Rank 0's TensorBoard and W&B sinks; a run resumed from its checkpoint continues its W&B run."""
+        if self.rank != 0:
+            return
+        logging_config = self.config.logging
+        self.metrics.sinks = open_run_sinks(self.config.run.dir, tensorboard=logging_config.tensorboard,
+                                            wandb=logging_config.wandb, run_name=self.config.run.name,
+                                            config=self.config.to_dict(), continue_run=position.step > 0,
+                                            wandb_failure_stops=False)
+
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
         ``checkpoint.init_from`` when given."""
@@ -138,18 +153,60 @@ class Trainer:
     def evaluate(self) -> float | None:
         train = self.config.train
         return evaluate(self.engine, self.valid_data, train.eval_batches, self.global_batch, self.micro_batch,
-                        self.groups.dp_rank, self.groups.dp_size)
+                        self.groups.dp_rank, self.groups.dp_size, vocab_size=self.config.model.vocab_size)
 
-    def _save(self, position: TrainingPosition, stop: StopController) -> str | None:
-        """The checkpoint written, or None when the state was not finite and nothing was saved."""
-        started = time.monotonic()
-        path = self.checkpoints.save(self.engine, position)
-        stop.record_save(time.monotonic() - started)
+    def _saves_in_background(self) -> bool:
+        """``checkpoint.async_save``, resolved from the config alone, so every rank decides alike (the
+        pre-launch check refuses ``true`` where it cannot be)."""
+        if self.config.checkpoint.async_save is False:
+            return False
+        refusal = background_save_refusal(self.config)
+        if refusal is not None:
+            logger.warning("checkpoints are written synchronously, training waiting for each: %s", refusal)
+        return refusal is None
+
+    def _save(self, position: TrainingPosition, stop: StopController, final: bool = False, stops: bool = False,
+              urgent: bool = False) -> str | None:
+        """The checkpoint written, or None when the state was not finite and nothing was saved.
+
+        Written in the background (``checkpoint.async_save``) unless the run ends after it (``final``:
+        training is done; ``stops``: it stops early), when waiting for it costs nothing: then it is
+        published when this returns, as is every save before it. ``train.eval_tasks`` evaluate it when
+        due, once it is published (``_evaluate_published``), unless the stop is ``urgent`` (a signal,
+        the time limit, non-finite state).
+        """
+        ending = final or stops
+        if ending:  # the wait is the stop's, not that of saves coming faster than they are written
+            self.checkpoints.finish_background_save("the run is finished" if final else "the run stops")
+        path = self.checkpoints.save(self.engine, position, in_background=self.saves_in_background and not ending)
+        stop.record_save(self.checkpoints.slowest_save_s)
+        if path is not None:
+            self.downstream.saved(path, position.step, position.tokens_seen, final)
+        self._evaluate_published(urgent)
         return str(path) if path is not None else None
 
+    def _finish_save(self, stop: StopController, why: str) -> None:
+        """Wait for the save written in the background, if any, and publish it (collective)."""
+        self.checkpoints.finish_background_save(why)
+        stop.record_save(self.checkpoints.slowest_save_s)
+        self._evaluate_published()
+
+    def _evaluate_published(self, urgent: bool = False) -> None:
+        """``train.eval_tasks`` on the checkpoints due for them whose saves are published (the one still
+        written in the background waits); skipped, and said so, when the run stops ``urgent``ly."""
+        in_flight = self.checkpoints.in_flight
+        self.downstream.evaluate_published(in_flight.step_dir if in_flight is not None else None, skip=urgent)
+
     def _last_good_checkpoint(self) -> str | None:
+        """The checkpoint a resume would load now, verified (collective: every rank calls it)."""
         newest = newest_checkpoint(self.config.checkpoint_dir)
-        return str(newest) if newest is not None else None
+        if newest is None:
+            return None
+        try:
+            verified, _ = self.checkpoints.verified_checkpoint(newest, fall_back=True)
+        except CheckpointError:  # a file that would run code: not "good weights" to point at
+            return None
+        return str(verified) if verified is not None else None
 
     def _stop_not_finite(self, position: TrainingPosition, result: TrainingResult) -> TrainingResult:
         """A save found non-finite weights or optimizer state: every later step would build on them."""
@@ -172,7 +229,8 @@ class Trainer:
         start = position.consumed_samples
         if self._micro_batches is None or self._iterator_at != start:
             self._micro_batches = iterate_micro_batches(self.train_data, start, self.global_batch, self.micro_batch,
-                                                        self.groups.dp_rank, self.groups.dp_size)
+                                                        self.groups.dp_rank, self.groups.dp_size,
+                                                        vocab_size=self.config.model.vocab_size)
         batch = list(itertools.islice(self._micro_batches, self.accumulation))
         if len(batch) < self.accumulation:
             raise RuntimeError(f"training data ran out at step {position.step + 1} ({start} samples consumed)")
@@ -253,6 +311,7 @@ class Trainer:
                 result.exit_code = EXIT_STOPPED
                 logger.warning("not training: %s", result.stop_reason)
                 return result
+            self._open_sinks(position)
             while position.step < self.total_steps:
                 if self.recovery.must_skip(position):
                     self.recovery.skip_step(position)
@@ -265,21 +324,27 @@ class Trainer:
                     position = result.position
                     continue
                 if verdict.stop:
-                    result.last_checkpoint = self._save(position, stop) or self._last_good_checkpoint()
+                    result.last_checkpoint = (self._save(position, stop, stops=True, urgent=True)
+                                              or self._last_good_checkpoint())
                     result.stop_reason = self.recovery.stop_reason(position, len(result.rollbacks))
                     result.exit_code = EXIT_NONFINITE
                     logger.error("stopping: %s; the last good weights are saved in %s", result.stop_reason,
                                  result.last_checkpoint)
                     return result
                 finished = position.step == self.total_steps
+                if self.checkpoints.publish_if_written() is not None:  # the files of a save done in the background
+                    stop.record_save(self.checkpoints.slowest_save_s)
+                self._evaluate_published()  # also a save published by a rollback
                 if eval_every and position.step % eval_every == 0 and not finished:
                     self._record_eval(result)
-                decision = stop.poll(seconds, self.checkpoints.last_save_time)
+                decision = stop.poll(seconds, self.checkpoints.last_save_time,
+                                     save_in_flight=self.checkpoints.in_flight is not None)
+                urgent = decision.stop  # a signal or the time limit: no downstream evaluation before stopping
                 if stop_at_step is not None and position.step >= stop_at_step:
                     decision.stop, decision.reason = True, f"reached stop_at_step {stop_at_step}"
                 if not finished and (decision.stop or decision.save_for_time
                                      or (save_every and position.step % save_every == 0)):
-                    saved = self._save(position, stop)
+                    saved = self._save(position, stop, stops=decision.stop, urgent=urgent)
                     if saved is None:
                         return self._stop_not_finite(position, result)
                     result.last_checkpoint = saved
@@ -287,14 +352,16 @@ class Trainer:
                 if decision.stop and not finished:
                     result.stop_reason = decision.reason
                     result.exit_code = EXIT_STOPPED
-                    logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
+                    if self.rank == 0:  # the same decision on every rank
+                        logger.warning("stopping after step %d: %s (checkpoint saved)", position.step, decision.reason)
                     return result
             self._record_eval(result)
             if config.checkpoint.save_at_end and self.checkpoints.last_saved_step != position.step:
-                saved = self._save(position, stop)
+                saved = self._save(position, stop, final=True)
                 if saved is None:
                     return self._stop_not_finite(position, result)
                 result.last_checkpoint = saved
+            self._finish_save(stop, "the run is finished")  # before the marker of a finished run
             self._write_final_metrics(result)
             return result
         finally:

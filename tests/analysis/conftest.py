@@ -35,3 +35,14 @@ def token_windows(count: int = 8, seq_len: int = 16, seed: int = 0) -> torch.Ten
 @pytest.fixture
 def batches():
     return windows_to_batches(token_windows(), batch_size=4)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The analysis tests' models are tiny: on a 2-core machine that is busy, torch's threads make their
+    small matrix products many times slower than one thread does (the family test: 23 s on one thread
+    against over 3 minutes with the default under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lnstrain.analysis.depth_stats import DepthStatsCollector, layer_profiles, stat_tag, write_depth_stats
+from lnstrain.analysis.depth_stats import DepthStatsCollector, layer_profiles, stat_tag
 from lnstrain.model import language_model_loss
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.testing.distributed import run_distributed
@@ -110,11 +110,14 @@ def test_hooks_only_on_armed_steps():
 
 def test_tensorboard_scalars_and_layer_profile(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
+
+    from lnstrain.tracking.sinks import MetricSinks, TensorBoardSink
+    from lnstrain.training.metrics import MetricsLogger
 
     stats = collect_stats(tiny_model(NUM_LAYERS), token_windows(count=2))
-    with SummaryWriter(tmp_path) as writer:
-        write_depth_stats(writer, stats, step=5)
+    metrics = MetricsLogger(10, 100, is_writer=True, sinks=MetricSinks([TensorBoardSink(tmp_path)]))
+    metrics.record_depth_stats(stats, step=5)
+    metrics.close()
     events = EventAccumulator(str(tmp_path)).Reload()
     assert set(events.Tags()["scalars"]) == set(stats)
     profile = events.Histograms("depth_profile/residual_variance")[0].histogram_value

@@ -1,30 +1,21 @@
-"""tools/analyze_depth.py --hf on Hugging Face models, each family checked against transformers itself.
-
-The reference for ΔP(l) deletes layer l for real: a model of L - 1 layers is built from the config
-and the state dict without layer l (later layers renumbered, Qwen2's per-layer attention types
-kept with their layers), and its loss is transformers' own (`labels=`). The reference windows are
-tokenized here, by the rule the tool documents: each document as the tokenizer encodes it with its
-special tokens, then EOS, back to back.
-"""
+"""tools/analyze_depth.py --hf: tokenizers, precision, placement over devices, and every refusal, all
+found before any weight is read. Each family against transformers: test_hf_families.py."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
+import shutil
 
 import pytest
-import torch
 
 from lnstrain.analysis.report import read_analyses
-from tests.analysis.hf_models import EOS, NUM_LAYERS, save_tiny_model
+from lnstrain.testing.tiny_hf_models import EOS, FAMILIES, save_tiny_model
 from tools.analyze_depth import main as analyze_depth
 
 transformers = pytest.importorskip("transformers")
 
 SEQ_LEN, NUM_SAMPLES = 16, 6
-TOLERANCE = 1e-5
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def corpus_documents(corpus) -> list[str]:
@@ -38,80 +29,11 @@ def hf_dirs(tiny_corpus, tmp_path_factory):
 
     def get(family: str):
         if family not in built:
-            if family == "qwen3" and not hasattr(transformers, "Qwen3Config"):
-                pytest.skip("this transformers has no Qwen3")
             directory = tmp_path_factory.mktemp(family)
             built[family] = save_tiny_model(directory, family, corpus_documents(tiny_corpus)[:100],
                                             seed=FAMILIES.index(family))
         return built[family]
     return get
-
-
-def reference_windows(directory, corpus) -> torch.Tensor:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    stream = []
-    for text in corpus_documents(corpus):
-        ids = tokenizer(text)["input_ids"]
-        stream += ids + ([tokenizer.eos_token_id] if ids[-1] != tokenizer.eos_token_id else [])
-    count = SEQ_LEN + 1
-    return torch.tensor(stream[:NUM_SAMPLES * count]).view(NUM_SAMPLES, count)
-
-
-def without_layer(directory, layer: int) -> torch.nn.Module:
-    """The model of `directory` with decoder layer `layer` (1-based) deleted."""
-    full = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
-    config = full.config.to_dict()
-    config["num_hidden_layers"] -= 1
-    if config.get("layer_types"):
-        del config["layer_types"][layer - 1]
-    state = {}
-    for name, tensor in full.state_dict().items():
-        match = re.match(r"model\.layers\.(\d+)\.(.*)", name)
-        if match is None:
-            state[name] = tensor
-        elif int(match.group(1)) != layer - 1:
-            index = int(match.group(1))
-            state[f"model.layers.{index - (index > layer - 1)}.{match.group(2)}"] = tensor
-    pruned = transformers.AutoModelForCausalLM.from_config(type(full.config).from_dict(config))
-    pruned.load_state_dict(state, strict=True)
-    return pruned.eval()
-
-
-@torch.no_grad()
-def transformers_loss(model, windows: torch.Tensor) -> float:
-    return float(model(input_ids=windows, labels=windows).loss)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pruning_matches_transformers_with_the_layer_deleted(family, hf_dirs, tiny_corpus, tmp_path, caplog):
-    directory = hf_dirs(family)
-    with caplog.at_level(logging.INFO, logger="lnstrain.analysis.progress"):
-        assert analyze_depth(["--hf", str(directory), "--text", str(tiny_corpus.jsonl), "--seq-len", str(SEQ_LEN),
-                              "--num-samples", str(NUM_SAMPLES), "--batch-size", "4", "--output", str(tmp_path),
-                              "--no-plots"]) == 0
-    run = read_analyses(tmp_path)[0]
-    assert run.num_layers == NUM_LAYERS and run.norm_scheme == "pre_ln" and run.source == f"Hugging Face {family}, fp32"
-    assert run.validation_tokens == NUM_SAMPLES * SEQ_LEN
-
-    windows = reference_windows(directory, tiny_corpus)
-    full = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
-    full_loss = transformers_loss(full, windows)
-    assert abs(run.baseline.loss - full_loss) <= TOLERANCE
-    deltas = [transformers_loss(without_layer(directory, layer), windows) - full_loss
-              for layer in range(1, NUM_LAYERS + 1)]
-    assert max(abs(d) for d in deltas) > 1e-3  # the layers matter, so a wrong layer would show
-    for pruned, expected in zip(run.pruning, deltas):
-        assert abs(pruned.delta_loss - expected) <= TOLERANCE, (pruned.layer, pruned.delta_loss, expected)
-
-    with torch.no_grad():
-        hidden = full(input_ids=windows[:, :-1], output_hidden_states=True).hidden_states
-    for index in range(NUM_LAYERS):  # transformers' last entry has the final norm applied; the tool's does not
-        assert run.output_variance[index] == pytest.approx(float(hidden[index].double().var(unbiased=False)), rel=1e-5)
-    gains = [float(getattr(block, norm).weight.detach().abs().mean()) for block in full.model.layers
-             for norm in ("input_layernorm", "post_attention_layernorm")]
-    assert [gain for layer in run.norm_gains for gain in layer] == pytest.approx(gains, rel=1e-6)
-    progress = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
-    assert len(progress) == NUM_LAYERS + 2 and progress[-1].startswith(f"{directory.name}: pass {NUM_LAYERS + 2}/")
 
 
 def test_documents_questions_and_answers_use_the_models_tokenizer(hf_dirs):
@@ -143,14 +65,14 @@ def test_multiple_choice_with_the_models_tokenizer(hf_dirs, tiny_corpus, tmp_pat
 
 @pytest.mark.parametrize("dtype, tolerance", [("bf16", 0.05), ("fp16", 0.01)])
 def test_half_precision_loads_half_weights_and_stays_close(dtype, tolerance, hf_dirs, tiny_corpus):
-    from lnstrain.analysis.eval_data import text_batches
+    from lnstrain.analysis.eval_data import text_windows
     from lnstrain.analysis.hf_source import DTYPES, load_hf_model
     from lnstrain.analysis.pruning import evaluate
 
     directory = hf_dirs("llama")
     full, half = load_hf_model(directory), load_hf_model(directory, dtype=dtype)
     assert {p.dtype for p in half.module.parameters()} == {DTYPES[dtype]}
-    batches = text_batches(str(tiny_corpus.jsonl), full.tokenizer.document, SEQ_LEN, NUM_SAMPLES, 4)
+    batches = text_windows(str(tiny_corpus.jsonl), full.tokenizer, SEQ_LEN, NUM_SAMPLES, 4).batches
     full_loss, half_loss = evaluate(full, batches).loss, evaluate(half, batches).loss
     assert full_loss != half_loss and abs(full_loss - half_loss) < tolerance
 
@@ -159,7 +81,7 @@ def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_
     """Layers 2-3 offloaded to disk: accelerate's hooks load them for each forward, and hold their norm weights."""
     pytest.importorskip("accelerate")
     from lnstrain.analysis.depth_analysis import analyze_model
-    from lnstrain.analysis.eval_data import text_batches
+    from lnstrain.analysis.eval_data import text_windows
     from lnstrain.analysis.hf_source import load_hf_model
 
     directory = hf_dirs("qwen2")
@@ -169,7 +91,7 @@ def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_
     placed = load_hf_model(directory, device_map=device_map, offload_folder=str(tmp_path))
     assert placed.layers()[1].input_layernorm.weight.is_meta
     plain = load_hf_model(directory)
-    batches = text_batches(str(tiny_corpus.jsonl), plain.tokenizer.document, SEQ_LEN, 2, 2)
+    batches = text_windows(str(tiny_corpus.jsonl), plain.tokenizer, SEQ_LEN, 2, 2).batches
     placed_run, plain_run = analyze_model(placed, batches), analyze_model(plain, batches)
     assert placed_run.output_variance == pytest.approx(plain_run.output_variance, rel=1e-6)
     placed_deltas, plain_deltas = ([p.delta_loss for p in run.pruning] for run in (placed_run, plain_run))
@@ -177,27 +99,88 @@ def test_a_device_map_that_offloads_layers_gives_the_same_figures(hf_dirs, tiny_
     assert placed_run.norm_gains == plain_run.norm_gains
 
 
-def test_unsupported_architectures_and_missing_pieces_are_refused(hf_dirs, tiny_corpus, tmp_path, capsys, monkeypatch):
-    def refused(*argv: str) -> str:
-        capsys.readouterr()
-        assert analyze_depth([*argv, "--output", str(tmp_path / "out"), "--no-plots"]) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err
-        return err
+def refusal(capsys, tmp_path, *argv: str) -> str:
+    """stderr of a run that must be refused: exit 2, no traceback, nothing written."""
+    capsys.readouterr()
+    assert analyze_depth([*argv, "--output", str(tmp_path / "out"), "--no-plots"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and not (tmp_path / "out").exists()
+    assert " layers (" not in captured.out  # no model was analysed
+    return captured.err
 
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    for argv in (["--hf", str(tmp_path / "gpt2")], ["--compare", str(tmp_path / "gpt2"), str(hf_dirs("llama"))]):
-        err = refused(*argv, "--text", str(tiny_corpus.jsonl))
-        assert "model_type 'gpt2' is not supported" in err
-        assert "LLaMA (model_type 'llama'), Mistral (model_type 'mistral'), Qwen2 (model_type 'qwen2')" in err
-    assert "no config.json" in refused("--hf", str(tmp_path), "--text", str(tiny_corpus.jsonl))
+
+def model_without_weights(tmp_path, name: str, source, *, tokenizer: bool = True, model_type: str | None = None):
+    """A copy of `source` whose weights file cannot be read: a refusal that mentions anything else was
+    made before the weights were read."""
+    directory = tmp_path / name
+    shutil.copytree(source, directory)
+    (directory / "model.safetensors").write_bytes(b"not safetensors")
+    if not tokenizer:
+        for file in directory.glob("tokenizer*"):
+            file.unlink()
+    if model_type is not None:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return directory
+
+
+def test_refusals_come_before_the_weights(hf_dirs, tiny_corpus, tmp_path, capsys, monkeypatch):
+    text = ["--text", str(tiny_corpus.jsonl)]
+    falcon = model_without_weights(tmp_path, "falcon", hf_dirs("llama"), model_type="falcon")
+    err = refusal(capsys, tmp_path, "--hf", str(falcon), *text)
+    assert "model_type 'falcon' is not supported" in err
+    assert "LLaMA ('llama', pre_ln)" in err and "Gemma 2 ('gemma2', sandwich_ln)" in err and "OLMo 2 ('olmo2', output_ln)" in err
+    bare = model_without_weights(tmp_path, "bare", hf_dirs("llama"), tokenizer=False)
+    err = refusal(capsys, tmp_path, "--hf", str(bare), *text)
+    assert f"--text needs the model's own tokenizer, but {bare} has no tokenizer" in err and "sentencepiece" not in err
+    assert "no config.json" in refusal(capsys, tmp_path, "--hf", str(tmp_path), *text)
 
     llama = str(hf_dirs("llama"))
-    err = refused("--hf", llama, "--data", str(tiny_corpus.prefix), "--data-tokenizer", str(tiny_corpus.tokenizer))
+    err = refusal(capsys, tmp_path, "--hf", llama, "--data", str(tiny_corpus.prefix), "--data-tokenizer",
+                  str(tiny_corpus.tokenizer))
     assert "whose vocabulary is not the model's" in err and "--text FILE.jsonl" in err
-    assert "pass --data-tokenizer" in refused("--hf", llama, "--data", str(tiny_corpus.prefix))
-    assert "longer than" in refused("--hf", llama, "--text", str(tiny_corpus.jsonl), "--seq-len", "100")
+    assert "pass --data-tokenizer" in refusal(capsys, tmp_path, "--hf", llama, "--data", str(tiny_corpus.prefix))
+    assert "--seq-len 100 is longer than" in refusal(capsys, tmp_path, "--hf", llama, *text, "--seq-len", "100")
 
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
-    assert "pip install 'lnstrain[hf]'" in refused("--hf", llama, "--text", str(tiny_corpus.jsonl))
+    assert "pip install 'lnstrain[hf]'" in refusal(capsys, tmp_path, "--hf", llama, *text)
+
+
+def test_compare_checks_every_entry_first_and_lists_every_problem(hf_dirs, tiny_corpus, tmp_path, capsys):
+    llama = hf_dirs("llama")
+    falcon = model_without_weights(tmp_path, "falcon", llama, model_type="falcon")
+    bare = model_without_weights(tmp_path, "bare", llama, tokenizer=False)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a model")
+    namesake = tmp_path / "elsewhere" / llama.name
+    shutil.copytree(llama, namesake)
+    err = refusal(capsys, tmp_path, "--compare", str(llama), str(falcon), str(bare), str(tmp_path / "notes"),
+                  str(namesake), str(tmp_path / "missing"), "--text", str(tiny_corpus.jsonl), "--seq-len", "16")
+    assert "5 problems, nothing analysed" in err
+    assert f"{falcon}: model_type 'falcon' is not supported" in err
+    assert f"{bare}: --text needs the model's own tokenizer" in err
+    assert f"{tmp_path / 'notes'} is none of what --compare takes: not a finished analysis" in err
+    assert f"several runs are named {llama.name} ({llama}, {namesake})" in err
+    assert f"{tmp_path / 'missing'} does not exist" in err
+    assert "the runs were not measured" not in err  # windows are compared once every entry is sound
+
+
+def test_models_with_different_tokenizers_are_measured_on_different_windows(hf_dirs, tmp_path, capsys, caplog):
+    """LLaMA's tokenizer puts BOS first, Qwen2's does not: the same text gives different windows."""
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                  ["The model reads the signal.", "A layer scales the loss."] * 4))
+    models = [str(hf_dirs("llama")), str(hf_dirs("qwen2"))]
+    argv = ["--compare", *models, "--text", str(tmp_path / "short.jsonl"), "--seq-len", "8", "--num-samples", "100"]
+    err = refusal(capsys, tmp_path, *argv)
+    assert "token-id checksum differs" in err and "tokenizer checksum differs" in err and "source checksum" not in err
+    with caplog.at_level(logging.WARNING):
+        assert analyze_depth([*argv, "--allow-different-windows", "--output", str(tmp_path / "out"), "--no-plots"]) == 0
+    llama, qwen2 = read_analyses(tmp_path / "out")
+    assert llama.windows.requested == 100 and llama.windows.count < 100
+    assert f"holds only {llama.windows.count} windows of 9 tokens; 100 were asked for" in caplog.text
+    assert llama.windows.source_sha256 == qwen2.windows.source_sha256
+    assert llama.windows.tokenizer_sha256 != qwen2.windows.tokenizer_sha256
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"{llama.windows.count} windows (of 100 asked) of 8 + 1 tokens" in report
+    assert "**The runs were not measured on the same windows**" in report
+    assert "Each run is its own configuration" in report and f"{llama.name} (pre_ln) > 1" in report

@@ -85,3 +85,17 @@ def test_bad_options_are_reported_together_before_anything_runs(capsys):
     err = capsys.readouterr().err
     assert "unknown norm scheme 'pre_nl'" in err and "--steps >= 1" in err
     assert "train.global_batch_size (4) must be divisible by train.micro_batch_size" in err
+
+
+def test_a_time_limit_stops_the_timed_steps_early_but_never_below_three(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        doc = load_tool("benchmark").main(["--config", TINY, "--runner", "model", "--baseline", "none",
+                                           "--warmup", "0", "--steps", "50", "--threads", "1", "--profile-steps", "2",
+                                           "--time-limit-s", "0.001"])
+    finally:
+        torch.set_num_threads(threads)
+    assert doc["protocol"]["timed_steps"] == 3 and doc["protocol"]["requested_steps"] == 50
+    assert len(doc["runners"][0]["step_time_s"]["samples"]) == 3 and "profile" not in doc
+    assert any("timed 3 of 50 steps" in note for note in doc["notes"])
+    assert any("no time left for --profile-steps 2" in note for note in doc["notes"])

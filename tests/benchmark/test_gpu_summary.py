@@ -34,12 +34,13 @@ def comparison(runner_name: str, reference: str, median: float, low: float, high
 
 
 def bench(report_doc: dict | None, exit_code: int = 0, output_tail: str = "") -> dict:
-    return {"command": "python tools/benchmark.py ...", "exit_code": exit_code, "duration_s": 30.0, "report": report_doc,
-            "output_tail": output_tail}
+    return {"command": "python tools/benchmark.py ...", "exit_code": exit_code, "duration_s": 30.0, "allowed_s": 95,
+            "report": report_doc, "output_tail": output_tail, "status": "done" if report_doc is not None else "failed"}
 
 
 def memory(ratio: float, measured: int = 30 * 2**30) -> dict:
-    return {"estimated_bytes": int(ratio * measured), "peak_allocated_bytes": measured, "estimate_over_measured": ratio}
+    return {"estimated_bytes": int(ratio * measured), "peak_allocated_bytes": measured,
+            "peak_reserved_bytes": int(1.08 * measured), "estimate_over_measured": ratio}
 
 
 ENGINE = "lnstrain-engine[lns]"
@@ -59,10 +60,14 @@ def full_document(mfu: float = 0.52, hf_speedup: float = 1.3, lns_ci=(0.996, 1.0
         "7b_width_4_layers": bench(report([runner(ENGINE, "engine", "lns", 0.16)], num_layers=4, flops_per_token=3.0e9)),
         "1b_memory_full": bench(report([runner(ENGINE, "engine", "lns", 0.2)], memory=memory(1.05))),
     }
-    tests = {"command": "python -m pytest -m gpu tests/gpu", "exit_code": 0, "duration_s": 150.0,
-             "counts": {"passed": 14, "failed": 0, "errors": 0, "skipped": 0}, "failures": []}
-    return {"schema": SCHEMA, "dry_run": False, "stages": {}, "environment": {"device_name": "NVIDIA H100 80GB HBM3",
-            "torch": "2.11.0+cu130", "cuda": "13.0", "deepspeed": "0.19.8"}, "tests": tests, "benchmarks": benchmarks}
+    tests = {"command": "python -m pytest -m 'gpu and gpu_core' tests/gpu", "exit_code": 0, "duration_s": 95.0,
+             "status": "done", "tests": {"counts": {"passed": 7, "failed": 0, "errors": 0, "skipped": 0}, "failures": []}}
+    environment = {"status": "done", "duration_s": 41.0, "exit_code": 0, "install": {"status": "installed", "seconds": 12.0},
+                   "engine_step": {"device": "NVIDIA H100 80GB HBM3", "seconds": 20.0, "loss": 5.55}}
+    return {"schema": SCHEMA, "dry_run": False, "calls": [1], "limit_s": 540,
+            "environment": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "cuda": "13.0",
+                            "deepspeed": "0.19.8"},
+            "items": {"environment": environment, "core_tests": tests, **benchmarks}}
 
 
 def rows_by_source(doc: dict) -> dict[str, list]:
@@ -74,7 +79,8 @@ def rows_by_source(doc: dict) -> dict[str, list]:
 
 def test_every_goal_met_reads_met():
     rows = rows_by_source(full_document())
-    assert [r.status for r in rows["tests"]] == ["met"]
+    assert [r.status for r in rows["core_tests"]] == ["met"] and [r.status for r in rows["environment"]] == ["met"]
+    assert "install installed in 12 s; engine step on NVIDIA H100 80GB HBM3: loss 5.550" in rows["environment"][0].measured
     assert rows["1b_eager"][0].status == "met" and "MFU 52.0%" in rows["1b_eager"][0].measured
     assert rows["1b_compiled"][0].status == "met"
     assert rows["1b_vs_hf_model"][0].status == "met" and rows["1b_vs_hf_model"][0].measured.startswith("1.300x")
@@ -83,6 +89,8 @@ def test_every_goal_met_reads_met():
     assert rows["1b_memory_full"][0].status == "met"
     assert rows["7b_width_2_layers, 7b_width_4_layers"][0].status == "info"
     assert "1b_memory_selective" not in rows and "1b_vs_hf_engine" not in rows  # optional, not run: no row
+    assert "1b_paper_shape" not in rows and "full_tests" not in rows
+    assert "reserved 32.40 GiB" in rows["1b_eager"][1].measured
 
 
 @pytest.mark.parametrize("change, source, index", [
@@ -110,7 +118,7 @@ def test_lns_ratio_is_read_in_either_order():
 
 def test_layer_projection_by_hand():
     doc = full_document()
-    shallow, deep = (doc["benchmarks"][name]["report"] for name in ("7b_width_2_layers", "7b_width_4_layers"))
+    shallow, deep = (doc["items"][name]["report"] for name in ("7b_width_2_layers", "7b_width_4_layers"))
     projection = layer_projection(shallow, deep)
     # two more layers cost 0.06 s and 1e9 FLOPs per token: 0.03 s and 0.5e9 per layer
     assert projection.layer_seconds == pytest.approx(0.03)
@@ -130,47 +138,50 @@ def test_layer_projection_by_hand():
 
 def test_failed_skipped_and_missing_runs_are_not_measured():
     doc = full_document()
-    doc["benchmarks"]["1b_compiled"] = bench(None, exit_code=124, output_tail="step 1\nkilled after 200 s\n")
-    doc["benchmarks"]["1b_memory_selective"] = bench(None, exit_code=1)
-    del doc["benchmarks"]["7b_width_4_layers"], doc["benchmarks"]["1b_vs_hf_model"]
-    doc["tests"]["counts"]["skipped"] = 14
-    doc["tests"]["counts"]["passed"] = 0
+    doc["items"]["1b_compiled"] = bench(None, exit_code=124, output_tail="step 1\nkilled after 200 s\n")
+    doc["items"]["1b_memory_selective"] = bench(None, exit_code=1)
+    doc["items"]["1b_lns_vs_pre_ln"] = {"status": "skipped", "note": "the environment item's bf16 engine step failed"}
+    del doc["items"]["7b_width_4_layers"], doc["items"]["1b_vs_hf_model"]
+    doc["items"]["core_tests"]["tests"]["counts"]["skipped"] = 7
+    doc["items"]["core_tests"]["tests"]["counts"]["passed"] = 0
     rows = rows_by_source(doc)
     assert rows["1b_compiled"][0].status == "not measured"
     assert rows["1b_compiled"][0].measured == "failed (exit 124): killed after 200 s"
     assert rows["1b_memory_selective"][0].status == "not measured"
     assert rows["7b_width_4_layers"][0].measured == "not run"
     assert rows["1b_vs_hf_model"][0].measured == "not run"  # a figure of the issue: listed even when not run
-    assert rows["tests"][0].status == "missed"  # a GPU run that skipped its tests did not test the GPU
+    assert rows["core_tests"][0].status == "missed"  # a GPU run that skipped its tests did not test the GPU
+    assert rows["1b_lns_vs_pre_ln"][0].measured == "skipped: the environment item's bf16 engine step failed"
     hf_without_baseline = report([runner("lnstrain-model[lns]", "model", "lns", 0.15)],
                                  notes=["Hugging Face baseline skipped: transformers is not installed"])
-    doc["benchmarks"]["1b_vs_hf_model"] = bench(hf_without_baseline)
+    doc["items"]["1b_vs_hf_model"] = bench(hf_without_baseline)
     (row,) = rows_by_source(doc)["1b_vs_hf_model"]
     assert row.status == "not measured" and "transformers is not installed" in row.measured
 
 
 def test_merge_joins_calls_and_later_results_win():
     first, second = full_document(mfu=0.40), full_document(mfu=0.55)
-    del second["benchmarks"]["1b_memory_full"]
-    second["environment"] = None
-    first["stages"], second["stages"] = {"tests": {"status": "done"}}, {"throughput": {"status": "incomplete"}}
+    del second["items"]["1b_memory_full"]
+    second["environment"], second["calls"] = None, [2]
+    second["items"]["core_tests"] = {"status": "not started", "note": "110 s needed, 3 s left"}
     merged = merge_documents([first, second])
-    assert merged["benchmarks"]["1b_eager"]["report"]["runners"][0]["throughput"]["mfu"] == 0.55
-    assert "1b_memory_full" in merged["benchmarks"] and merged["environment"] == first["environment"]
-    assert set(merged["stages"]) == {"tests", "throughput"}
+    assert merged["items"]["1b_eager"]["report"]["runners"][0]["throughput"]["mfu"] == 0.55
+    assert "1b_memory_full" in merged["items"] and merged["environment"] == first["environment"]
+    assert merged["items"]["core_tests"]["status"] == "done"  # a later "not started" does not erase a result
+    assert merged["calls"] == [1, 2]
     with pytest.raises(ValueError, match="not a GPU check document"):
         merge_documents([{"schema": "lnstrain.benchmark/1"}])
 
 
 def test_markdown_has_the_table_failures_unfinished_stages_and_commands():
     doc = full_document()
-    doc["tests"]["failures"] = [{"test": "tests.gpu.test_x::test_y", "message": "assert 0.2 <= 0.01"}]
-    doc["stages"] = {"compare": {"status": "incomplete", "note": "not started for lack of time: 1b_vs_hf_engine"}}
+    doc["items"]["core_tests"]["tests"]["failures"] = [{"test": "tests.gpu.test_x::test_y", "message": "assert 0.2 <= 0.01"}]
+    doc["items"]["1b_vs_hf_engine"] = {"status": "not started", "note": "55 s needed, 20 s left", "allowed_s": 55}
     text = to_markdown(doc)
     assert "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, CUDA 13.0, DeepSpeed 0.19.8" in text
     assert "| figure | measured | goal | status | from |" in text
     assert text.count("\n| ") == len(summary_rows(doc)) + 1  # the separator row starts with "|---"
     assert "`tests.gpu.test_x::test_y`: assert 0.2 <= 0.01" in text
-    assert "compare: incomplete not started for lack of time" in text
-    assert "- 1b_eager: `python tools/benchmark.py ...`" in text
+    assert "- 1b_vs_hf_engine: not started 55 s needed, 20 s left" in text
+    assert "- 1b_eager: 30 of 95 s, `python tools/benchmark.py ...`" in text
     assert "DRY RUN" not in text and "DRY RUN" in to_markdown({**doc, "dry_run": True})

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lnstrain.checkpoint.errors import CheckpointError
-from lnstrain.checkpoint.integrity import ChecksumWriter, check_step_dir, file_record, marker_text, read_manifest
+from lnstrain.checkpoint.integrity import ChecksumWriter, file_record, marker_text, read_marker
 from lnstrain.checkpoint.manager import CheckpointManager
-from lnstrain.checkpoint.metadata import COMPLETE_MARKER, METADATA_FILE
+from lnstrain.checkpoint.metadata import COMPLETE_MARKER, CONFIG_FILE, METADATA_FILE
+from lnstrain.checkpoint.verifier import Trust, check_step_dir
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG
 from tests.checkpoint.tampering import Payload, overwrite_middle, plant, rerecord, truncate
@@ -34,15 +35,16 @@ def test_hash_while_writing_equals_the_file_on_disk(tmp_path, zip_format):
 
 
 def recorded_checkpoint(directory: Path, step: int, ranks: int = 2) -> Path:
-    """A complete step directory whose marker records its files: a shard per rank, metadata."""
-    step_dir = fake_checkpoint(directory, step)
+    """A complete step directory whose marker records its files: a shard per rank, metadata, config."""
+    step_dir = fake_checkpoint(directory, step, data_parallel=ranks, world_size=ranks)
     records = {}
     for rank in range(ranks):
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         torch.save({**STATE, "rank": rank}, step_dir / name)
         records[name] = file_record(step_dir / name, rank)
     records[METADATA_FILE] = file_record(step_dir / METADATA_FILE, 0)
-    (step_dir / COMPLETE_MARKER).write_text(marker_text(records))
+    records[CONFIG_FILE] = file_record(step_dir / CONFIG_FILE, 0)
+    (step_dir / COMPLETE_MARKER).write_text(marker_text(step_dir.name, records))
     return step_dir
 
 
@@ -50,21 +52,24 @@ def test_check_names_each_changed_file(tmp_path):
     step_dir = recorded_checkpoint(tmp_path, 2)
     shard0, shard1 = (step_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
     verdict = check_step_dir(step_dir)
-    assert verdict.ok and verdict.recorded and verdict.files == 3
-    assert verdict.bytes == sum(p.stat().st_size for p in (shard0, shard1, step_dir / METADATA_FILE))
+    assert verdict.ok and verdict.recorded and verdict.files == 4
+    assert verdict.bytes == sum(p.stat().st_size for p in (shard0, shard1, step_dir / METADATA_FILE,
+                                                            step_dir / CONFIG_FILE))
 
     overwrite_middle(shard0)
     assert check_step_dir(step_dir).corrupt == [
         f"{shard0}: its bytes differ from what its save wrote (sha256 {file_record(shard0, 0).sha256[:16]}…, "
-        f"recorded {read_manifest(step_dir)[shard0.name].sha256[:16]}…)"]
+        f"recorded {read_marker(step_dir).files[shard0.name].sha256[:16]}…)"]
     truncate(shard1)
-    size = read_manifest(step_dir)[shard1.name].size
+    size = read_marker(step_dir).files[shard1.name].size
     assert check_step_dir(step_dir).corrupt[1] == (f"{shard1}: {size // 2} bytes, but its save wrote {size} "
                                                    "(truncated or overwritten)")
     shard1.unlink()
     assert check_step_dir(step_dir).corrupt[1] == f"{shard1}: missing (its save wrote it)"
     (step_dir / COMPLETE_MARKER).write_text('{"files": {"x": {"size": "many"}}}')
-    assert check_step_dir(step_dir).corrupt[0].startswith(f"{step_dir / COMPLETE_MARKER}: cannot be read")
+    assert check_step_dir(step_dir).corrupt == [f"{step_dir / COMPLETE_MARKER}: damaged: format None with checksum None "
+                                                "is not one this lnstrain reads (formats (2, 3), sha256); nothing it "
+                                                "records can be trusted"]
 
 
 def test_without_checksums_only_sizes_and_pickles_are_checked(tmp_path):
@@ -72,14 +77,14 @@ def test_without_checksums_only_sizes_and_pickles_are_checked(tmp_path):
     step_dir = recorded_checkpoint(tmp_path, 2)
     shard0, shard1 = (step_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
     overwrite_middle(shard0)
-    assert check_step_dir(step_dir, checksums=False).ok
+    assert check_step_dir(step_dir, Trust(checksums=False)).ok
     assert [line.split(":")[0] for line in check_step_dir(step_dir).corrupt] == [str(shard0)]
     truncate(shard1)
-    assert [line.split(":")[0] for line in check_step_dir(step_dir, checksums=False).corrupt] == [str(shard1)]
+    assert [line.split(":")[0] for line in check_step_dir(step_dir, Trust(checksums=False)).corrupt] == [str(shard1)]
     torch.save({**STATE, "rank": 1}, shard1)
     plant(shard1, Payload(tmp_path / "payload_ran"))
     rerecord(step_dir, shard1.name)
-    assert [line.split(":")[0] for line in check_step_dir(step_dir, checksums=False).unsafe] == [str(shard1)]
+    assert [line.split(":")[0] for line in check_step_dir(step_dir, Trust(checksums=False)).unsafe] == [str(shard1)]
     assert not (tmp_path / "payload_ran").exists()
 
 
@@ -87,16 +92,17 @@ def test_each_file_is_checked_once_by_the_rank_that_wrote_it(tmp_path):
     step_dir = recorded_checkpoint(tmp_path, 2)
     for rank in range(2):
         truncate(step_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    shares = [check_step_dir(step_dir, (rank, 2)) for rank in range(2)]
-    assert [s.files for s in shares] == [2, 1]  # rank 0 also wrote the metadata
+    shares = [check_step_dir(step_dir, share=(rank, 2)) for rank in range(2)]
+    assert [s.files for s in shares] == [3, 1]  # rank 0 also wrote the metadata and config
     assert [len(s.corrupt) for s in shares] == [1, 1]
     assert "zero_pp_rank_1_" in shares[1].corrupt[0]
-    one_rank = check_step_dir(step_dir, (0, 1))  # resumed on fewer ranks: rank 0 checks everything
-    assert one_rank.files == 3 and len(one_rank.corrupt) == 2
+    one_rank = check_step_dir(step_dir, share=(0, 1))  # resumed on fewer ranks: rank 0 checks everything
+    assert one_rank.files == 4 and len(one_rank.corrupt) == 2
 
 
 def test_a_marker_without_records_is_unverified_but_its_pickles_are_checked(tmp_path):
-    step_dir = fake_checkpoint(tmp_path, 2)  # an older lnstrain's marker
+    step_dir = fake_checkpoint(tmp_path, 2)
+    (step_dir / COMPLETE_MARKER).write_text("1712345678.25\n")  # what an lnstrain before checksums wrote
     torch.save(STATE, step_dir / "mp_rank_00_model_states.pt")
     verdict = check_step_dir(step_dir)
     assert verdict.ok and not verdict.recorded and verdict.files == 3
@@ -165,8 +171,8 @@ def test_verify_checkpoint_tool(tmp_path, capsys):
 
     plant(step2 / "zero_pp_rank_1_mp_rank_00_optim_states.pt", argparse.Namespace(lr=1.0))
     rerecord(step2, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    code, out = run_tool(str(step2), capsys=capsys)
-    assert code == 1 and out.startswith("global_step2  UNSAFE ") and "argparse.Namespace" in out
+    code, out = run_tool(str(step2), capsys=capsys)  # a resume from it stops: exit 2
+    assert code == 2 and out.startswith("global_step2  UNSAFE ") and "argparse.Namespace" in out
 
     code, out = run_tool(str(tmp_path / "elsewhere"), capsys=capsys)
     assert code == 2 and "holds no global_step<N> directories" in out

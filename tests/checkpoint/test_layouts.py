@@ -107,14 +107,10 @@ def test_tools_consolidate_and_export_a_tp2_pp2_checkpoint(saved_checkpoints, tm
 
 
 def test_convert_to_hf_refuses_post_ln_checkpoint(tmp_path, capsys):
-    from lnstrain.checkpoint.metadata import COMPLETE_MARKER, METADATA_FILE
+    from tests.checkpoint.test_manager import fake_checkpoint
 
-    step_dir = tmp_path / "checkpoints" / "global_step5"
-    step_dir.mkdir(parents=True)
     config = load_config(TINY_RUN_CONFIG, ["model.norm_scheme=post_ln"], validate=False)
-    config.save(step_dir / "config.yaml")
-    (step_dir / METADATA_FILE).write_text("{}")
-    (step_dir / COMPLETE_MARKER).write_text("")
+    fake_checkpoint(tmp_path / "checkpoints", 5, config_yaml=config.to_yaml())
     assert load_tool("convert_to_hf").main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "hf")]) == 2
     assert "model.norm_scheme=post_ln cannot be exported as a Hugging Face LLaMA" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()

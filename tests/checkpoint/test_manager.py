@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from lnstrain.checkpoint.manager import apply_retention, newest_checkpoint, resolve_resume
-from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, METADATA_FILE, CheckpointMetadata, load_rng_state,
-                                          restore_rng_state, save_rng_state)
+from lnstrain.checkpoint.integrity import file_record, marker_text
+from lnstrain.checkpoint.locations import newest_checkpoint, resolve_resume
+from lnstrain.checkpoint.manager import apply_retention
+from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, CONFIG_FILE, METADATA_FILE, CheckpointMetadata,
+                                          load_rng_state, restore_rng_state, save_rng_state)
 from lnstrain.config.run_config import load_config
 from lnstrain.run_files import LATEST_FILE
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
@@ -20,16 +22,18 @@ from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 def fake_checkpoint(directory: Path, step: int, complete: bool = True, latest: bool = True,
                     fingerprint: str | None = "data", tokenizer: str | None = "tok", config_yaml: str = "model: {}\n",
                     **layout) -> Path:
-    """A step directory with lnstrain's metadata (and no model files): enough for everything but loading."""
+    """A step directory with lnstrain's metadata and config, recorded in its marker (and no model files):
+    enough for everything but loading."""
     step_dir = directory / f"global_step{step}"
     step_dir.mkdir(parents=True)
     metadata = dict(step=step, consumed_samples=8 * step, tokens_seen=128 * step, data_fingerprint=fingerprint,
                     tokenizer_checksum=tokenizer, lnstrain_version="0", world_size=1, tensor_parallel=1,
                     pipeline_parallel=1, data_parallel=1, zero_stage=1, precision="fp32") | layout
     (step_dir / METADATA_FILE).write_text(CheckpointMetadata(**metadata).to_json())
-    (step_dir / "config.yaml").write_text(config_yaml)
+    (step_dir / CONFIG_FILE).write_text(config_yaml)
     if complete:
-        (step_dir / COMPLETE_MARKER).write_text("")
+        records = {name: file_record(step_dir / name, 0) for name in (METADATA_FILE, CONFIG_FILE)}
+        (step_dir / COMPLETE_MARKER).write_text(marker_text(step_dir.name, records))
     if latest:
         (directory / LATEST_FILE).write_text(step_dir.name + "\n")
     return step_dir

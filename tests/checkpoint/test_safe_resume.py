@@ -22,6 +22,7 @@ from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.config.run_config import load_config
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, TinyCorpus, tiny_run_overrides
+from tests.checkpoint.tampering import RUN as STOPPED_RUN
 from tests.checkpoint.tampering import Payload, plant, rerecord
 from tests.training.test_crash_recovery import tensorboard_losses
 from tests.training.test_launch import launcher_command, launcher_env
@@ -150,33 +151,25 @@ def test_pipeline_files_load_safely_on_every_stage(tiny_corpus, tmp_path):
         assert not result["payload_ran"]
 
 
-def straight_and_first_half(rank: int, world_size: int, corpus: TinyCorpus, root: Path, run: list[str]) -> dict:
-    from lnstrain.training.trainer import pretrain
-
-    straight = pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "straight") + run, world_size))
-    pretrain(load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / "trusted") + run, world_size),
-             stop_at_step=2)
-    return straight.losses
-
-
 @pytest.mark.slow  # two launches of launch/pretrain.py
-def test_allow_pickle_resumes_a_trusted_checkpoint_and_nothing_else_does(tiny_corpus, tmp_path):
-    run = RUN + ["train.steps=4", "logging.tensorboard=true"]
-    [straight] = run_distributed(straight_and_first_half, 1, tiny_corpus, tmp_path, run, timeout_s=240)
-    step_dir = tmp_path / "trusted" / "tiny" / "checkpoints" / "global_step2"
+def test_allow_pickle_resumes_a_trusted_checkpoint_and_nothing_else_does(stopped_run):
+    trusted = stopped_run.copy("trusted")
+    step_dir = trusted / "tiny" / "checkpoints" / "global_step4"
     plant(step_dir / "mp_rank_00_model_states.pt", argparse.Namespace(note="saved by another DeepSpeed"))
     rerecord(step_dir, "mp_rank_00_model_states.pt")  # a checkpoint written that way, not tampered with
 
-    command = launcher_command(tiny_run_overrides(tiny_corpus, tmp_path / "trusted") + run)
+    command = launcher_command(tiny_run_overrides(stopped_run.corpus, trusted) + STOPPED_RUN
+                               + ["logging.tensorboard=true"])
     refused = subprocess.run(command, capture_output=True, text=True, env=launcher_env(), timeout=240)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "Traceback" not in refused.stdout + refused.stderr
     assert (f"{step_dir / 'mp_rank_00_model_states.pt'}: its pickle names argparse.Namespace" in refused.stderr
             and "pass --allow-pickle (config: checkpoint.allow_pickle: true)" in refused.stderr), refused.stderr
 
-    trusted = subprocess.run(command + ["--allow-pickle"], capture_output=True, text=True, env=launcher_env(),
+    resumed = subprocess.run(command + ["--allow-pickle"], capture_output=True, text=True, env=launcher_env(),
                              timeout=240)
-    assert trusted.returncode == 0, trusted.stdout + trusted.stderr
-    losses = tensorboard_losses(tmp_path / "trusted" / "tiny" / "tensorboard")
-    for step in (1, 2, 3, 4):
-        assert abs(losses[step] - straight[step]) <= TOLERANCE, (step, losses[step], straight[step])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    losses = tensorboard_losses(trusted / "tiny" / "tensorboard")
+    assert sorted(losses) == [5, 6]
+    for step in (5, 6):
+        assert abs(losses[step] - stopped_run.straight[step]) <= TOLERANCE, (step, losses[step], stopped_run.straight)

@@ -128,9 +128,11 @@ def test_kill_at_every_moment_of_a_save_leaves_a_resumable_checkpoint(tiny_corpu
         command = launcher_command(tiny_run_overrides(tiny_corpus, run_dir) + RUN)
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
 
-    # (one moment here, between the completion marker and ``latest``; tests/training/test_crash_recovery.py
-    # kills a rank of a 2-rank run in the middle of DeepSpeed's files)
-    for offset in (labels.index("every rank finished writing", first_save) - first_save + 4,):
+    # (two moments here: in the background write, after its first DeepSpeed file, and between the
+    # completion marker and ``latest``; tests/training/test_crash_recovery.py kills a rank of a 2-rank
+    # run in the middle of DeepSpeed's files)
+    for offset in (labels.index("deepspeed file: written", first_save) - first_save,
+                   labels.index("every rank finished writing", first_save) - first_save + 4):
         run_dir = tmp_path / f"killed_{offset}"
         killed = launch(run_dir, first_save + offset + 1)
         assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]

@@ -94,7 +94,12 @@ def test_deepspeed_json_follows_the_config():
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2
     assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
     # the user's bucket wins; the all-gather bucket keeps lnstrain's cap at the rank's parameters (2**20 here)
-    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 2**20}
+    # two data-parallel ranks: ZeRO reduces each bucket during the backward (overlap_comm)
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 2**20,
+                                       "overlap_comm": True}
+    assert "overlap_comm" not in deepspeed_config(config, world_size=1)["zero_optimization"]  # nothing to overlap
+    bf16_zero1 = config_from_dict({**TINY, "parallel": {"zero_stage": 1}})  # BF16_Optimizer: reduces after backward
+    assert "overlap_comm" not in deepspeed_config(bf16_zero1, world_size=2)["zero_optimization"]
 
 
 def test_steps_from_token_budget():

@@ -92,3 +92,15 @@ def test_rules_that_need_no_world_size_apply_without_one():
     problems = _config("fp16", True, 0, 1).validate(check_files=False)
     assert sum(FP16_ZERO0 in problem for problem in problems) == 1
     assert not any("world size" in problem for problem in problems)
+
+
+@pytest.mark.parametrize("tensor", [3, 8])
+def test_heads_that_cannot_be_split_are_one_problem_not_one_per_key_the_user_never_set(tensor):
+    """num_kv_heads unset means num_heads: its divisibility (or fused_qkv's overcount) would repeat the line."""
+    model = {"preset": "tiny", "num_heads": 4, "num_kv_heads": None, "hidden_size": 64, "ffn_hidden_size": 192,
+             "fused_qkv": True}
+    problems = config_from_dict({**TINY, "model": model, "parallel": {"tensor": tensor}}).validate(world_size=tensor)
+    assert [p for p in problems if "heads" in p] == [f"model.num_heads (4) must be divisible by parallel.tensor ({tensor})"]
+    model["num_kv_heads"] = 2  # set by the user: its own line
+    problems = config_from_dict({**TINY, "model": model, "parallel": {"tensor": 3}}).validate(world_size=3)
+    assert "model.num_kv_heads (2) must divide or be divisible by parallel.tensor (3)" in problems

@@ -14,6 +14,7 @@ from lnstrain.data import IndexedDataset, Tokenizer
 from lnstrain.data.corpus_readers import iter_records, open_binary
 from lnstrain.data.preprocess import PreprocessConfig, preprocess
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, reservoir_sample
+from tests.tool_scripts import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -174,7 +175,7 @@ def test_cli_tools_end_to_end(tmp_path, demo_corpus):
     bad = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "nope*.jsonl"),
                           "--tokenizer", str(tmp_path / "tok/spm.model"), "--output-prefix", str(tmp_path / "x")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "matches no file" in bad.stderr
+    assert bad.returncode == 2 and "matches no file" in bad.stderr  # bad input: exit 2
 
 
 def test_large_vocabulary_writes_int32(tmp_path, demo_corpus, demo_prefix, tokenizer_model, megatron_reader,
@@ -202,3 +203,15 @@ def test_retraining_a_tokenizer_elsewhere_gives_the_same_bytes(tmp_path, demo_co
     train_tokenizer(TokenizerTrainingConfig(inputs=[], output_prefix=prefix, vocab_size=500, model_type="bpe"),
                     [os.path.join(demo_corpus, "train.jsonl")])
     assert file_sha256(prefix + ".model") == file_sha256(tokenizer_model)
+
+
+def test_more_workers_than_cores_are_capped_with_a_note(tmp_path, demo_corpus, tokenizer_model, capsys,
+                                                        monkeypatch):
+    tool = load_tool("preprocess_data")
+    monkeypatch.setattr(tool, "available_cores", lambda: 1)
+    prefix = str(tmp_path / "capped")
+    assert tool.main(["--input", os.path.join(demo_corpus, "valid.jsonl"), "--tokenizer", tokenizer_model,
+                      "--output-prefix", prefix, "--workers", "64", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "--workers 64 is more than the 1 core(s) available; using 1" in err and "with 1 worker(s)" in err
+    assert tool.main(["--input", "x", "--tokenizer", tokenizer_model, "--output-prefix", prefix, "--workers", "0"]) == 2

@@ -143,6 +143,24 @@ def test_split_by_documents_is_disjoint(demo_prefix, tokenizer_model, tmp_path):
     assert train_set == set(expected_train.tolist())
 
 
+def test_a_validation_split_too_small_for_the_evaluation_is_named_with_its_repetition(demo_prefix, tmp_path,
+                                                                                        caplog):
+    """A few held-out documents repeated to fill the evaluation: a warning naming the count and the fix."""
+    cfg = DataConfig(sources=[DataSource(demo_prefix)], seq_len=64, valid_fraction=0.002, cache_dir=str(tmp_path))
+    sequences = IndexedDataset(demo_prefix).sizes
+    _, held_out = split_documents(len(sequences), 0.002, cfg.split_seed)
+    distinct = int(sequences[held_out].sum()) // 64
+    with caplog.at_level("WARNING", logger="lnstrain.data.builder"):
+        build_train_valid_datasets(cfg, 100, distinct, seed=1, builds_cache=True)  # exactly enough: silent
+        assert not caplog.records
+        build_train_valid_datasets(cfg, 100, 20 * distinct, seed=1, builds_cache=True)
+        build_train_valid_datasets(cfg, 100, 20 * distinct, seed=1, builds_cache=False)  # only the building rank warns
+    (record,) = caplog.records
+    assert (f"the validation split is {len(held_out)} document(s)" in record.message
+            and f"{distinct} distinct sample(s)" in record.message and "served about 20 times" in record.message)
+    assert "data.valid_fraction: 0.04" in record.message and "data.valid_sources" in record.message
+
+
 def test_cache_reused_and_rebuilt_when_inputs_change(demo_prefix, copy_prefix, demo_token_docs,
                                                      megatron_writer, tmp_path):
     prefix = copy_prefix(demo_prefix)

@@ -1,6 +1,7 @@
 """The --dry-run report: contents, the data-file exemption, and every shipped config."""
 
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -84,3 +85,20 @@ def test_pretrain_dry_run_command():
                             env={**os.environ, "WORLD_SIZE": "16"})
     assert result.returncode == 0, result.stderr
     assert "Memory per rank" in result.stdout and "FLOPs per token" in result.stdout
+
+
+def test_a_dry_run_stops_on_a_missing_base_file_as_the_docs_say(tmp_path, capsys, monkeypatch):
+    """Missing data files are notes (above); a config that cannot be read is not estimated: exit 2."""
+    spec = importlib.util.spec_from_file_location("dry_run_pretrain", REPO / "launch" / "pretrain.py")
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    config = tmp_path / "run.yaml"
+    config.write_text("base: [missing.yaml]\nmodel: {preset: tiny}\n")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        pretrain.main(["--config", str(config), "--dry-run"])
+    assert stopped.value.code == 2
+    assert f"config file not found: {tmp_path / 'missing.yaml'}" in capsys.readouterr().err
+    documented = " ".join((REPO / "docs" / "training.md").read_text().split())
+    assert ("missing data files are noted in the estimate, any other problem with the config (a missing `base:` "
+            "file, a bad value) is listed and stops it with exit 2") in documented

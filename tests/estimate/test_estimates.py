@@ -132,17 +132,20 @@ def test_deepspeed_buffers_follow_the_optimizer_deepspeed_wraps_ours_in():
     config, zero2 = stage(2)
     bucket = zero_bucket_elements(config)
     assert optimizer_kind(config) == "zero" and bucket == -(-params // 2**20) * 2**20  # capped at the model
-    assert zero2.gradients == pytest.approx(2 * params + 2 * bucket + 4 * params / 8 + 4 * largest)
-    _, overlapped = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": True}})
-    assert overlapped.gradients - zero2.gradients == pytest.approx(2 * 2 * 50_000_000 - 2 * bucket)  # two buckets
+    # 8 data-parallel ranks: overlap_comm, so two buckets (one reducing while the next fills)
+    assert zero2.gradients == pytest.approx(2 * params + 2 * 2 * bucket + 4 * params / 8 + 4 * largest)
+    _, smaller = stage(2, {"zero_optimization": {"reduce_bucket_size": 50_000_000}})
+    assert smaller.gradients - zero2.gradients == pytest.approx(2 * 2 * (50_000_000 - bucket))
+    _, one_bucket = stage(2, {"zero_optimization": {"overlap_comm": False}})
+    assert zero2.gradients - one_bucket.gradients == pytest.approx(2 * bucket)
     config, fp32_zero1 = stage(1, dtype="fp32")
     assert optimizer_kind(config) == "zero" and fp32_zero1.optimizer == pytest.approx(12 * params / 8)
-    assert fp32_zero1.gradients == pytest.approx(4 * params + 4 * bucket)  # full .grad + the fp32 bucket
-    # ZeRO 1 accumulates the micro-batches (8 here) in its bucket, which then lives through the forwards
-    assert fp32_zero1.accumulated_gradients == 4 * params + 4 * bucket and fp32_zero1.backward_buffers == 0
+    assert fp32_zero1.gradients == pytest.approx(4 * params + 2 * 4 * bucket)  # full .grad + two fp32 buckets
+    # ZeRO 1 accumulates the micro-batches (8 here) in its buckets, which then live through the forwards
+    assert fp32_zero1.accumulated_gradients == 4 * params + 2 * 4 * bucket and fp32_zero1.backward_buffers == 0
     config, single = stage(1, dtype="fp32", deepspeed=None)
     one_micro_batch = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=64))
-    assert memory_estimate(one_micro_batch, 8).heaviest.backward_buffers == 4 * bucket  # allocated as backward starts
+    assert memory_estimate(one_micro_batch, 8).heaviest.backward_buffers == 2 * 4 * bucket  # allocated as backward starts
     config, zero3 = stage(3)
     assert optimizer_kind(config) == "zero3" and zero3.gathered_weights == 2 * params
 

@@ -29,8 +29,8 @@ from tests.tool_scripts import load_tool
 
 pytestmark = pytest.mark.gpu
 
-DROPOUT = ("model.hidden_dropout=0.1",)
-BF16 = ("precision.dtype=bf16",)
+DROPOUT = ("model.hidden_dropout=0.1", "train.compile=false")
+BF16 = ("precision.dtype=bf16", "train.compile=false")
 CROSS_DEVICE_LOSS_TOLERANCE = 3e-2
 LOGIT_TOLERANCE = 1e-4
 
@@ -39,19 +39,24 @@ def _config(corpus: TinyCorpus, root: Path, name: str, world_size: int, *extra: 
     return load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root / name) + list(extra), world_size)
 
 
-def device_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
-    """Rank function: the runs on the device (``TrainingResult`` per name)."""
+def device_runs(rank: int, world_size: int, corpus: TinyCorpus, root: Path, names: tuple[str, ...]) -> dict:
+    """Rank function: the runs of ``RUNS`` named ``names`` on the device (``TrainingResult`` per name)."""
     from lnstrain.training.trainer import pretrain
 
-    def run(name: str, *extra: str, stop_at_step: int | None = None):
-        return pretrain(_config(corpus, root, name, world_size, *extra), stop_at_step=stop_at_step)
+    return {name: pretrain(_config(corpus, root, RUNS[name][0], world_size, *RUNS[name][1]),
+                           stop_at_step=RUNS[name][2]) for name in names}
 
-    return {"straight": run("straight", *DROPOUT),
-            "straight_again": run("straight_again", *DROPOUT),
-            "interrupted": run("resumed", *DROPOUT, stop_at_step=3),
-            "resumed": run("resumed", *DROPOUT),
-            "bf16_straight": run("bf16_straight", *BF16),
-            "bf16_interrupted": run("bf16_interrupted", *BF16, stop_at_step=3)}
+
+RUNS = {  # name: (run directory, overrides, stop at step)
+    "straight": ("straight", DROPOUT, None),
+    "straight_again": ("straight_again", DROPOUT, None),
+    "interrupted": ("resumed", DROPOUT, 3),
+    "resumed": ("resumed", DROPOUT, None),
+    "bf16_straight": ("bf16_straight", BF16, None),
+    "bf16_interrupted": ("bf16_interrupted", BF16, 3),
+}
+"""Compilation is off (``train.compile: auto`` would compile on a GPU): these tests are about the trainer
+and its checkpoints, and ``test_model_on_device.py`` compares compiled layers with eager ones."""
 
 
 def cpu_resume(rank: int, world_size: int, corpus: TinyCorpus, root: Path, step_dir: str):
@@ -63,13 +68,23 @@ def cpu_resume(rank: int, world_size: int, corpus: TinyCorpus, root: Path, step_
 
 @pytest.fixture(scope="module")
 def runs(device, tiny_corpus, tmp_path_factory) -> dict:
+    """The device runs the core tests need, in one spawned rank."""
     root = tmp_path_factory.mktemp("device_runs")
-    results = run_on(device.type, device_runs, tiny_corpus, root, deterministic=True)
-    step3 = results["bf16_interrupted"].last_checkpoint
-    results["bf16_cpu_resumed"] = run_on("cpu", cpu_resume, tiny_corpus, root, step3)
+    names = ("straight", "straight_again", "interrupted", "resumed", "bf16_straight")
+    return run_on(device.type, device_runs, tiny_corpus, root, names, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_resumed(device, tiny_corpus, tmp_path_factory) -> dict:
+    """A bf16 run interrupted on the device, resumed on the CPU."""
+    root = tmp_path_factory.mktemp("cross_device_runs")
+    results = run_on(device.type, device_runs, tiny_corpus, root, ("bf16_straight", "bf16_interrupted"),
+                     deterministic=True)
+    results["bf16_cpu_resumed"] = run_on("cpu", cpu_resume, tiny_corpus, root, results["bf16_interrupted"].last_checkpoint)
     return results
 
 
+@pytest.mark.gpu_core
 def test_resume_on_the_device_reproduces_the_uninterrupted_run_bitwise(runs, device):
     from lnstrain.checkpoint.metadata import load_rng_state
 
@@ -84,7 +99,8 @@ def test_resume_on_the_device_reproduces_the_uninterrupted_run_bitwise(runs, dev
     assert ("cuda" in rng) == (device.type == "cuda")  # dropout on a GPU draws from CUDA's generator
 
 
-def test_a_device_checkpoint_resumes_on_the_cpu(runs):
+def test_a_device_checkpoint_resumes_on_the_cpu(cpu_resumed):
+    runs = cpu_resumed
     straight, on_cpu = runs["bf16_straight"], runs["bf16_cpu_resumed"]
     assert Path(on_cpu.resumed_from) == Path(runs["bf16_interrupted"].last_checkpoint)
     assert sorted(on_cpu.losses) == [4, 5, 6]
@@ -94,6 +110,7 @@ def test_a_device_checkpoint_resumes_on_the_cpu(runs):
     assert on_cpu.eval_losses[6] == pytest.approx(straight.eval_losses[6], abs=CROSS_DEVICE_LOSS_TOLERANCE)
 
 
+@pytest.mark.gpu_core
 def test_hf_export_of_a_device_run_is_reproduced_by_transformers(runs, device, tmp_path):
     transformers = pytest.importorskip("transformers")
     from lnstrain.checkpoint.layouts import read_full_state, read_step_config

@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lnstrain.model import Transformer, init_weights, model_preset
-from lnstrain.model.attention import Attention
+from lnstrain.model.attention import Attention, sdpa_backends
 from lnstrain.model.norms import TORCH_FUSED_RMS_NORM_ON_CUDA, RMSNorm, fused_rms_norm_affine
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.config import OptimConfig
@@ -98,6 +98,49 @@ def test_attention_takes_flash_and_matches_the_math_kernel_in_fp64(device, kv_he
         assert relative_error(param.grad, ref_param.grad) <= tolerance, name
 
 
+BACKEND_OPS = {"cudnn": ("_scaled_dot_product_cudnn_attention",),
+               "flash": ("_scaled_dot_product_flash_attention",),  # ..._for_cpu on the CPU
+               "efficient": ("_scaled_dot_product_efficient_attention",)}
+"""The aten op (forward; its backward carries the same name) each ``model.attention_backend`` runs."""
+
+
+def expected_attention_ops(backend: str, device: torch.device) -> tuple[str, ...]:
+    if backend != "auto":
+        return BACKEND_OPS[backend]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return BACKEND_OPS["cudnn"]  # auto prefers cuDNN on Hopper
+    return FUSED_ATTENTION  # elsewhere torch's own choice, a flash-style kernel
+
+
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.gpu_core), "cudnn", "flash", "efficient"])
+def test_the_configured_attention_kernel_runs_and_matches_the_math_kernel(device, backend):
+    if device.type == "cpu" and backend in ("cudnn", "efficient"):
+        pytest.skip(f"{backend} is a CUDA kernel (the pre-launch check refuses it on the CPU)")
+    cfg = model_preset("tiny", hidden_size=512, num_heads=8, num_kv_heads=8, max_seq_len=256,
+                       attention_backend=backend)
+    attention = Attention(cfg, SINGLE)
+    init_weights(attention, cfg)
+    attention.sdpa_backends = sdpa_backends(backend, device.type)  # as build_model sets them for the device
+    attention = attention.to(device=device, dtype=torch.bfloat16)
+    reference = copy.deepcopy(attention).to(device="cpu", dtype=torch.float64)
+    reference.sdpa_backends = sdpa_backends("math", "cpu")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 256, cfg.hidden_size, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(2, 256, cfg.hidden_size, generator=generator).to(torch.bfloat16)
+
+    out, x_grad, ops = attention_step(attention, x, grad)
+    ran = [name for name in ops if any(kernel in name for kernel in expected_attention_ops(backend, device))]
+    assert any("backward" not in name for name in ran) and any("backward" in name for name in ran), sorted(set(ops))
+
+    x_reference = x.double().requires_grad_()
+    expected = reference(x_reference)
+    expected.backward(grad.double())
+    assert relative_error(out, expected) <= ATTENTION_BF16_TOLERANCE
+    assert relative_error(x_grad, x_reference.grad) <= ATTENTION_BF16_TOLERANCE
+    for (name, param), (_, ref_param) in zip(attention.named_parameters(), reference.named_parameters()):
+        assert relative_error(param.grad, ref_param.grad) <= ATTENTION_BF16_TOLERANCE, name
+
+
 def expected_rms_norm_kernel(device: torch.device) -> str:
     """What ``RMSNorm`` should run on ``device`` (same-dtype input and weight)."""
     if device.type != "cuda":
@@ -107,6 +150,7 @@ def expected_rms_norm_kernel(device: torch.device) -> str:
     return "torch-fused" if TORCH_FUSED_RMS_NORM_ON_CUDA else "none"
 
 
+@pytest.mark.gpu_core
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_rms_norm_takes_a_fused_kernel_with_the_lns_factor_folded_in(device, dtype):
     hidden, eps, factor = 1024, 1e-5, 3 ** -0.5  # layer 3's LNS factor

@@ -15,6 +15,8 @@ norm gains differ by order 1 (LNS scales them by 1/sqrt(l)), which the per-param
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,6 +48,7 @@ def train_schemes(rank: int, world_size: int, dtype: str, steps: int) -> dict[st
     results = {}
     for scheme in SCHEMES:
         config = with_norm_scheme(make_config(Layout(scheme, zero_stage=1, dtype=dtype), steps=steps), scheme)
+        config = config.replace(train=dataclasses.replace(config.train, compile=False))  # eager: auto compiles on CUDA
         groups = ParallelGroups.build(1, 1)
         engine = build_engine(config, groups)
         gradients: dict[str, torch.Tensor] = {}
@@ -70,6 +73,7 @@ def runs(device) -> dict[str, dict]:
             "reference": run_on("cpu", train_schemes, "fp32", STEPS)}
 
 
+@pytest.mark.gpu_core
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_bf16_steps_on_the_device_match_the_fp32_cpu_reference(runs, device, scheme):
     ours, reference = runs["device"][scheme], runs["reference"][scheme]

@@ -63,3 +63,18 @@ def test_presets_build_valid_configs():
 def test_fields_are_plain_types():
     for field in dataclasses.fields(ModelConfig):
         assert field.type.split("[")[0].split(" |")[0] in {"int", "float", "bool", "str", "NormScheme", "Literal"}, field
+
+
+def test_ffn_multiple_of_rounds_the_width_up_as_llama_does(tmp_path):
+    paper, fast = model_preset("1b"), model_preset("1b_fast")
+    assert paper.ffn_hidden_size == 5461 and fast.ffn_hidden_size == 5632  # 22 × 256
+    assert fast.ffn_hidden_size % 256 == 0 and fast.validate(tensor_parallel=8) == []
+    assert any("ffn_multiple_of" in problem for problem in paper.validate(tensor_parallel=2))
+    assert dataclasses.replace(fast).ffn_hidden_size == 5632  # idempotent: a resolved config reloads unchanged
+    assert ModelConfig(ffn_hidden_size=64, ffn_multiple_of=64).ffn_hidden_size == 64
+    assert any("ffn_multiple_of" in problem for problem in ModelConfig(ffn_multiple_of=0).validate())
+    from lnstrain.config.run_config import config_from_dict
+
+    config = config_from_dict({"model": {"preset": "1b", "ffn_multiple_of": 128},
+                               "data": {"sources": [{"prefix": "x"}]}, "train": {"steps": 1}})
+    assert config.model.ffn_hidden_size == 5504  # 43 × 128

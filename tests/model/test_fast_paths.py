@@ -106,3 +106,32 @@ def test_one_rank_cross_entropy_equals_the_tensor_parallel_form(single, vocab_si
     torch.testing.assert_close(fast, general, rtol=0, atol=2e-6)
     torch.testing.assert_close(fast_grad, logits.grad, rtol=0, atol=3e-7)  # probabilities: ulps
     assert torch.all(fast_grad[..., vocab_size:] == 0)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_each_cpu_attention_backend_trains_as_torchs_own_choice(backend):
+    """model.attention_backend on the CPU: the named kernel runs, and loss and gradients are torch's
+    default choice's within fp32 rounding (the kernels sum in different orders)."""
+    from lnstrain.model import Transformer, model_preset
+    from lnstrain.model.attention import sdpa_backends
+    from lnstrain.parallel.groups import ParallelGroups
+    from tests.gpu.helpers import OpRecorder
+
+    results = {}
+    tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    for choice in ("auto", backend):
+        cfg = model_preset("tiny", norm_scheme="lns", attention_backend=choice)
+        model = Transformer(cfg, ParallelGroups.single_process())
+        for module in model.modules():
+            if hasattr(module, "sdpa_backends"):
+                assert module.sdpa_backends == sdpa_backends(choice, "cpu")
+        with OpRecorder() as ops:
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+        results[choice] = (loss.detach(), [p.grad.clone() for p in model.parameters()], ops)
+    (auto_loss, auto_grads, _), (loss, grads, ops) = results["auto"], results[backend]
+    flash_ran = ops.any_contains("_scaled_dot_product_flash_attention_for_cpu")
+    assert flash_ran is (backend == "flash")
+    torch.testing.assert_close(loss, auto_loss, rtol=1e-6, atol=1e-6)
+    for grad, auto_grad in zip(grads, auto_grads):
+        torch.testing.assert_close(grad, auto_grad, rtol=1e-4, atol=1e-6)

@@ -8,6 +8,9 @@ import pytest
 import yaml
 
 from lnstrain.config.loader import ConfigError
+from lnstrain.evaluation.results import write_results
+from lnstrain.run_files import FINAL_METRICS_FILE, downstream_file
+from lnstrain.study.collect import collect_results
 from lnstrain.study import depth as study_depth
 from lnstrain.study.depth import analysis_steps, collect_depth, turning_step
 from lnstrain.study.plan import plan_study
@@ -90,6 +93,12 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     for p in planned:
         for step in (300, 600):
             (p.config.run.dir / "checkpoints" / f"global_step{step}").mkdir(parents=True)
+    accuracy = {("pre_ln", 600): 0.25, ("lns", 300): 0.5, ("lns", 600): 0.75}  # lm-eval ran on these only
+    for p in planned:
+        for (scheme, step), value in accuracy.items():
+            if p.run.scheme == scheme:
+                write_results({"metrics": {"hellaswag": {"acc": value / 2, "acc_norm": value}}},
+                              downstream_file(p.config.run.dir, step))
     files = collect_depth(study, planned)
     with open(files["claims"]) as handle:
         rows = [r for r in csv.DictReader(handle) if r["claim"] == "lns_deep_layers_matter_more"]
@@ -102,9 +111,12 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     section = report.split("### depth16x64_lr3e-3")[1]
     deep_dp, rest = section.split("Mean ΔP of the deepest half")[1].split("Mean effective pre-sublayer norm gain")
     gains, losses = rest.split("Validation loss of the measured windows")
+    losses, downstream = losses.split("Downstream: hellaswag acc_norm")
     assert "| lns | 0.0100 | 0.0800 |" in deep_dp and "| lns | 0.3000 | 0.3000 |" in gains
     assert "| pre_ln | – | – |" in gains  # older analyses hold no gains
     assert "| lns_gain_init | 4.0600 | 4.0900 |" in losses
+    assert "| pre_ln | – | 0.2500 |" in downstream and "| lns | 0.5000 | 0.7500 |" in downstream
+    assert "| lns_gain_init | – | – |" in downstream  # not evaluated: blank
     with open(files["layers"]) as handle:
         layers = list(csv.DictReader(handle))
     assert len(layers) == 3 * 2 * 4  # schemes x steps x layers
@@ -150,3 +162,33 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     third = collect_depth(study, plan_study(study))["depth report"].read_text()
     assert "Not used from the archive" in third and "depth16x64_lns_lr3e-3_s1234 step 600" in third
     assert "Not analysed yet (no complete checkpoint): depth16x64_pre_ln_lr3e-3_s1234 step 300, 600" in third
+
+
+def test_collect_puts_downstream_accuracy_beside_perplexity(tmp_path):
+    """Finished runs (final_metrics.json) of which some were evaluated on lm-eval tasks at their last step."""
+    study = load_study(REPO / "configs/studies/depth_turn.yaml")
+    study.spec.output_dir = str(tmp_path)
+    study.spec.seeds = [1234]
+    study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
+    planned = plan_study(study)
+    for p in planned:
+        p.config.run.dir.mkdir(parents=True)
+        (p.config.run.dir / FINAL_METRICS_FILE).write_text('{"step": 600, "tokens": 614400, "eval_loss": 3.5, '
+                                                          '"eval_ppl": 33.12}')
+    scores = {"pre_ln": {"arc_easy": {"acc": 0.40, "acc_norm": 0.30}, "piqa": {"acc": 0.55}},
+              "lns": {"arc_easy": {"acc": 0.45, "acc_norm": 0.35}}}
+    for p in planned:
+        if p.run.scheme in scores:
+            write_results({"metrics": scores[p.run.scheme]}, downstream_file(p.config.run.dir, 600))
+    write_results({"metrics": {"arc_easy": {"acc": 0.9}}}, downstream_file(planned[0].config.run.dir, 300))  # not final
+    rows, files = collect_results(planned, tmp_path / "_study", study.spec.sizes, study.spec.schemes, "t")
+    with open(files["csv"]) as handle:
+        table = {row["scheme"]: row for row in csv.DictReader(handle)}
+    assert table["pre_ln"]["downstream arc_easy acc_norm"] == "0.3" and table["pre_ln"]["downstream piqa acc"] == "0.55"
+    assert table["lns"]["downstream piqa acc"] == "" and table["lns_gain_init"]["downstream arc_easy acc_norm"] == ""
+    markdown = files["markdown"].read_text()
+    assert ("| size | parameters | pre_ln lr3e-3 ppl | lns lr3e-3 ppl | lns_gain_init lr3e-3 ppl | "
+            "pre_ln lr3e-3 arc_easy acc_norm | lns lr3e-3 arc_easy acc_norm | lns_gain_init lr3e-3 arc_easy acc_norm |"
+            in markdown)
+    assert "| 33.12 | 33.12 | 33.12 | 0.3000 | 0.3500 | — | 0.5500 | — | — |" in markdown
+    assert "| depth16x64_lns_lr3e-3_s1234 | 3.5000 | 33.12 | 0.3500 | — | 614400 | done |" in markdown

@@ -44,7 +44,8 @@ def test_1b_never_gets_a_tensor_size_its_ffn_cannot_split():
 def test_plan_layout_notes_name_the_sizes_they_are_about():
     study = load_study(STUDIES / "lns_scaling.yaml")
     notes = format_plan(study, plan_study(study)).split("Layout notes")[1].splitlines()[1:]
-    assert "- 1b: tensor 2 skipped: model.ffn_hidden_size (5461) must be divisible by parallel.tensor (2)" in notes
+    assert ("- 1b: tensor 2 skipped: model.ffn_hidden_size (5461) must be divisible by parallel.tensor (2); "
+            "model.ffn_multiple_of: 256 rounds it up (LLaMA's rule)") in notes
     assert all(line.startswith("- ") and ": tensor " in line for line in notes if line), notes
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,8 +43,8 @@ def test_preflight_reports_every_problem_before_training(tiny_corpus, tmp_path):
     assert "Traceback" not in done.stderr + done.stdout
     assert "3 problem(s)" in done.stderr, done.stderr
     assert f"data.sources[0].prefix: missing {missing_prefix}.bin" in done.stderr
-    assert (f"data.tokenizer {tiny_corpus.tokenizer} has 200 tokens but model.vocab_size is 64; "
-            "set model.vocab_size to at least 200") in done.stderr
+    assert (f"data.tokenizer {tiny_corpus.tokenizer} has 200 pieces but model.vocab_size is 64: the model has no "
+            "embedding for ids 64..199; set model.vocab_size to 200") in done.stderr
     assert f"run.output_dir: cannot write to {a_file / 'runs' / 'tiny'}" in done.stderr
     assert "training steps" not in done.stdout  # nothing started
 
@@ -66,6 +68,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_to_be_resumed(tiny_corpus, tmp_pat
             process.kill()
     text = "".join(output)
     assert "stopping after step" in text and "received SIGTERM" in text, text
+    stopped = re.search(r"lnstrain: stopped to be resumed after step (\d+) of 1000 \(received SIGTERM\); checkpoint "
+                        r"(\S+); to continue, rerun: (.*)", text)
+    assert stopped, text
+    assert stopped.group(3) == shlex.join(["python", *launcher_command(overrides)[1:]])  # the command, as run
     checkpoints = tmp_path / "tiny" / "checkpoints"
     latest = (checkpoints / "latest").read_text().strip()
     assert 3 <= step_of(latest) < 1000

@@ -61,3 +61,27 @@ def test_usr1_to_the_batch_shell_stops_the_rank_and_the_job_exits_zero(tmp_path)
     assert job.returncode == 0, output
     assert "rank saved and stopped" in output and "launcher: rank exited 0" in output, output
     assert "got SIGUSR1; asking every rank to save and stop" in output, output
+
+
+def test_a_second_ctrl_c_to_the_wrapper_stops_the_whole_command_at_once():
+    """The first Ctrl-C asks the ranks to save (SIGUSR1, ignored by this stand-in that never saves); the
+    second kills the command's process group and exits 130 with one line."""
+    stuck = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+    wrapper = subprocess.Popen([sys.executable, str(REPO / "launch" / "slurm" / "preemptible.py"), "--",
+                                sys.executable, "-c", stuck], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=os.environ | {"LNSTRAIN_RESUME_COMMAND": "bash launch/train.sh"})
+    try:
+        command_pid = int(wrapper.stdout.readline())
+        wrapper.send_signal(signal.SIGINT)
+        assert "got SIGINT; asking every rank to save and stop" in wrapper.stderr.readline()
+        wrapper.send_signal(signal.SIGINT)
+        assert wrapper.wait(timeout=30) == 130
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+    assert wrapper.stderr.read().strip() == ("preemptible: second Ctrl-C: stopped at once; the newest complete "
+                                             "checkpoint is kept, and bash launch/train.sh resumes from it")
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{command_pid}") and time.monotonic() < deadline:  # killed, then reaped by init
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{command_pid}")

@@ -141,6 +141,24 @@ def test_two_ranks_under_the_deepspeed_launcher_print_the_list_once_and_exit_2(b
     assert "unknown key 'optim.warmup_stpes' (did you mean 'warmup_steps'?)" in output and says in output
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_a_problem_and_a_smaller_one_a_note(tiny_corpus, tmp_path, caplog):
+    """More pieces than embedding rows: refused, naming both numbers and the fix; fewer: one info line."""
+    def problems(vocab_size: int) -> list[str]:
+        overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [f"model.vocab_size={vocab_size}"]
+        return preflight.tokenizer_problems(load_config(TINY_RUN_CONFIG, overrides, validate=False))
+
+    with caplog.at_level("INFO", logger="lnstrain.training.preflight"):
+        assert problems(200) == [] and not caplog.records  # the tiny tokenizer's 200 pieces exactly
+        assert problems(150) == [f"data.tokenizer {tiny_corpus.tokenizer} has 200 pieces but model.vocab_size is 150: "
+                                 "the model has no embedding for ids 150..199; set model.vocab_size to 200 "
+                                 "(--set model.vocab_size=200) or use a tokenizer of at most 150 pieces"]
+        assert not caplog.records
+        assert problems(256) == []
+    (note,) = caplog.records
+    assert note.levelname == "INFO" and note.getMessage().startswith(
+        "data.tokenizer has 200 pieces and model.vocab_size is 256: 56 embedding rows will never be used")
+
+
 # --- checks that need another machine, in process ---------------------------------------------------
 TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 16},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": 10}}
@@ -159,6 +177,17 @@ def test_fp16_is_refused_on_a_gpu_deepspeed_does_not_support_it_on_and_ranks_nee
     assert preflight.device_problems(fp16, local_rank=1) == []
     [problem] = preflight.device_problems(config_from_dict(TINY), local_rank=2)
     assert "this is local rank 2 but the machine shows 2 GPU(s)" in problem
+
+
+def test_a_cuda_attention_kernel_is_refused_on_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend in ("cudnn", "efficient"):
+        config = config_from_dict({**TINY, "model": {"preset": "tiny", "attention_backend": backend}})
+        [problem] = preflight.device_problems(config, local_rank=0)
+        assert f"model.attention_backend is {backend}, a CUDA kernel" in problem and "auto, flash or math" in problem
+    for backend in ("auto", "flash", "math"):
+        config = config_from_dict({**TINY, "model": {"preset": "tiny", "attention_backend": backend}})
+        assert preflight.device_problems(config, local_rank=0) == []
 
 
 def test_deepspeed_refusals_of_the_derived_json_are_problems():
@@ -243,3 +272,25 @@ def test_a_fallback_to_a_checkpoint_of_another_model_is_refused_before_loading(t
     assert (f"{newer} failed verification, and the newest older checkpoint that verifies was saved with another "
             f"model:\n  - model.hidden_size is {model['hidden_size']} but the checkpoint {older} has "
             f"{2 * model['hidden_size']}") in str(refused.value)
+
+
+def test_downstream_tasks_and_wandb_that_cannot_run_are_problems(monkeypatch, tmp_path):
+    import importlib.util
+
+    config = config_from_dict({**TINY, "run": {"output_dir": str(tmp_path)},
+                               "checkpoint": {"interval_steps": 4, "save_at_end": False},
+                               "train": {**TINY.get("train", {}), "eval_tasks": ["hellaswag"], "eval_tasks_interval": 6},
+                               "logging": {"wandb": {"mode": "offline"}}})
+    assert preflight.downstream_problems(config, rank=1) == [
+        "train.eval_tasks_interval (6) must be a multiple of checkpoint.interval_steps (4): the tasks are evaluated "
+        "on the checkpoints of those steps",
+        "train.eval_tasks are evaluated on the final checkpoint: set checkpoint.save_at_end: true"]
+    post_ln = config_from_dict({**TINY, "model": {**TINY["model"], "norm_scheme": "post_ln"},
+                                "train": {**TINY.get("train", {}), "eval_tasks": ["hellaswag"]}})
+    [refused] = preflight.downstream_problems(post_ln, rank=1)
+    assert refused.startswith("train.eval_tasks go through the Hugging Face export, which refuses this model")
+    finding = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else finding(name, *a))
+    assert preflight.wandb_problems(config.logging.wandb) == [
+        "logging.wandb.mode is offline but wandb is not installed: pip install wandb (or pip install "
+        "'lnstrain[wandb]'), or set logging.wandb.mode: disabled"]

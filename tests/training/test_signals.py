@@ -40,6 +40,24 @@ def test_sigusr1_and_sigterm_only_set_a_flag_until_polled():
     assert signal.getsignal(signal.SIGUSR1) == previous
 
 
+def test_a_first_ctrl_c_stops_at_the_step_boundary_and_a_second_at_once():
+    """Ctrl-C from a terminal reaches the launcher too, which sends SIGTERM: that is not a second Ctrl-C."""
+    clock = FakeClock()
+    at_once: list[bool] = []
+    stop = StopController(None, None, clock=clock, on_second_interrupt=lambda: at_once.append(True)).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # a KeyboardInterrupt without the handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert not at_once
+        decision = stop.poll(last_step_s=0.1, last_save_time=clock.now)
+        assert decision.stop and decision.reason == "received SIGINT"
+        os.kill(os.getpid(), signal.SIGINT)
+        assert at_once == [True]
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_wallclock_limit_leaves_room_for_the_slowest_step_and_save():
     clock = FakeClock()  # stands still: only the slowest step and save count here
     stop = StopController(exit_after_minutes=1.0, save_interval_minutes=None, clock=clock)

@@ -1,0 +1,139 @@
+"""The GPU check's plan: what each call to a lent GPU runs, in order, and the seconds each item may take.
+
+A session lent a GPU has 15 minutes of device time in all (machine start, every call and idle wait
+included) and at most 10 minutes a command, so the check is planned as one decisive call of at most
+``CALL_LIMIT_S`` seconds, the most valuable figures first; later calls are optional. Each item may run
+for its ``seconds`` and is stopped there; an item starts only if its seconds fit in what is left of
+the call (an earlier item that finished early leaves its slack to the later ones). ``tools/gpu_check.py
+--plan`` prints a call's items and its total, which ``tests/benchmark/test_gpu_plan.py`` keeps within
+the limit.
+
+The seconds are allowances written before any GPU ran lnstrain, from the arithmetic of each item
+(docs/performance.md, "The GPU check"): they hold the process start (torch and DeepSpeed imports, CUDA
+context), building the model (the 1B model's deterministic CPU init runs on every core), warm-up and
+timed steps; the benchmarks themselves stop timing early when their time runs short
+(``tools/benchmark.py --time-limit-s``), so a slow step costs samples, not the item's figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CALL_LIMIT_S = 540
+"""One call's budget: the device tool's 600 s per command, less a margin for the shell and the copy back."""
+
+CONFIG_1B = "configs/bench/1b_seq2048.yaml"
+CONFIG_7B_WIDTH = "configs/bench/7b_width_seq4096.yaml"
+CONFIG_TINY = "configs/bench/tiny.yaml"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One item of a call.
+
+    Attributes:
+        name: the key its result is stored under in ``gpu_check.json``.
+        call: 1 for the decisive first call, 2 and 3 for the optional later ones.
+        seconds: how long it may run on the GPU machine, process start included.
+        kind: ``environment`` (the probe and one engine step), ``tests`` (pytest) or ``benchmark``
+            (``tools/benchmark.py``).
+        issue_item: which of the issue's figures it gives, e.g. ``(b) (c)``.
+        what: one line on what it measures.
+        args: the pytest or ``tools/benchmark.py`` arguments.
+        needs_engine: it builds a DeepSpeed engine, so it is skipped when the environment item's engine
+            step failed (DeepSpeed missing or broken on this machine).
+    """
+
+    name: str
+    call: int
+    seconds: int
+    kind: str
+    issue_item: str
+    what: str
+    args: tuple[str, ...] = ()
+    needs_engine: bool = False
+
+
+def _bench(*args: str) -> tuple[str, ...]:
+    return ("--baseline", "none", *args) if "--baseline" not in args else args
+
+
+_EAGER = ("--set", "train.compile=false")
+_TWO_ENGINES = ("--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=2")
+"""Two 1B engines side by side (LNS and Pre-LN) fit on an 80 GB GPU at micro-batch 2 (30 GiB each by the
+--dry-run estimate, against 37 at micro-batch 4); 8 micro-batches a step as in the training layout."""
+
+PLAN: tuple[Item, ...] = (
+    Item("environment", 1, 50, "environment", "(a)",
+         "the GPU, torch, CUDA, DeepSpeed (installed offline from .whl/), and one bf16 engine step on CUDA"),
+    Item("1b_eager", 1, 95, "benchmark", "(b) (c)",
+         "1B LNS seq 2048 bf16, training layout (ZeRO 1, fp32 master weights and accumulation, 8 micro-batches of "
+         "4), eager: tokens/s, MFU, memory against the --dry-run estimate, a one-step kernel profile",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--warmup", "2", "--steps", "8", "--profile-steps", "1")),
+         needs_engine=True),
+    Item("1b_compiled", 1, 140, "benchmark", "(b)",
+         "the same, every transformer layer compiled (torch.compile, inductor): the first step compiles",
+         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--warmup", "2", "--steps", "8")),
+         needs_engine=True),
+    Item("core_tests", 1, 110, "tests", "(d)",
+         "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, bf16 GPU against fp32 "
+         "CPU engine steps, resume bit for bit on the GPU, the HF export",
+         ("-m", "gpu and gpu_core", "tests/gpu")),
+    Item("1b_lns_vs_pre_ln", 1, 75, "benchmark", "(e)",
+         "LNS against Pre-LN engines, interleaved steps (micro-batch 2 so both fit), eager",
+         ("--config", CONFIG_1B, *_bench("--schemes", "lns,pre_ln", *_EAGER, *_TWO_ENGINES, "--warmup", "2",
+                                         "--steps", "10")),
+         needs_engine=True),
+    Item("1b_vs_hf_model", 1, 65, "benchmark", "(f)",
+         "lnstrain's model against transformers' LlamaForCausalLM, the same driver (torch AdamW, bf16 autocast), "
+         "one micro-batch of 2 a step, eager",
+         ("--config", CONFIG_1B, "--runner", "model", "--baseline", "hf", *_EAGER, "--set",
+          "train.global_batch_size=2", "--set", "train.micro_batch_size=2", "--warmup", "2", "--steps", "10")),
+    Item("full_tests", 2, 240, "tests", "(d)", "the whole GPU suite", ("-m", "gpu", "tests/gpu")),
+    Item("1b_paper_shape", 2, 95, "benchmark", "(b)",
+         "the paper's 1B shape (FFN 5461, not a multiple of 64) in the training layout, eager",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "model.ffn_multiple_of=1", "--warmup", "2", "--steps", "8")),
+         needs_engine=True),
+    Item("7b_width_2_layers", 2, 70, "benchmark", "-",
+         "7B width (hidden 4096, FFN 11008) at seq 4096, 2 layers",
+         ("--config", CONFIG_7B_WIDTH, *_bench(*_EAGER, "--set", "model.num_layers=2", "--warmup", "2", "--steps", "10")),
+         needs_engine=True),
+    Item("7b_width_4_layers", 2, 80, "benchmark", "-",
+         "the same with 4 layers: the difference is one 7B layer's cost, projected to 32 layers",
+         ("--config", CONFIG_7B_WIDTH, *_bench(*_EAGER, "--set", "model.num_layers=4", "--warmup", "2", "--steps", "10")),
+         needs_engine=True),
+    Item("1b_vs_hf_engine", 2, 55, "benchmark", "(f)",
+         "lnstrain's DeepSpeed engine against LlamaForCausalLM, one micro-batch of 2 a step",
+         ("--config", CONFIG_1B, "--baseline", "hf", *_EAGER, "--set", "train.global_batch_size=2", "--set",
+          "train.micro_batch_size=2", "--warmup", "2", "--steps", "10"),
+         needs_engine=True),
+    Item("1b_memory_full", 3, 90, "benchmark", "(c)", "1B memory, activation checkpointing full",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "train.activation_checkpointing=full", "--warmup", "2",
+                                         "--steps", "3")),
+         needs_engine=True),
+    Item("1b_memory_selective", 3, 90, "benchmark", "(c)", "1B memory, activation checkpointing selective",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "train.activation_checkpointing=selective", "--warmup",
+                                         "2", "--steps", "3")),
+         needs_engine=True),
+)
+ITEMS = {item.name: item for item in PLAN}
+CALLS = sorted({item.call for item in PLAN})
+
+
+def call_items(call: int) -> list[Item]:
+    """The items of ``call``, in run order."""
+    return [item for item in PLAN if item.call == call]
+
+
+def call_total(call: int) -> int:
+    return sum(item.seconds for item in call_items(call))
+
+
+def plan_text(call: int, limit_s: float = CALL_LIMIT_S) -> str:
+    """The call's items with their allowances, ending with the line ``total N s of L s``."""
+    command = "bash launch/gpu_check.sh" + ("" if call == 1 else f" --call {call}")
+    lines = [f"GPU check, call {call} ({command}): in this order, each stopped at its seconds, "
+             "each started only if its seconds fit in what is left"]
+    lines += [f"  {item.name:<20} {item.seconds:>4} s  {item.issue_item:<8} {item.what}" for item in call_items(call)]
+    lines.append(f"total {call_total(call)} s of {limit_s:g} s")
+    return "\n".join(lines)

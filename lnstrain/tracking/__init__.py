@@ -1,0 +1,1 @@
+"""Where a run's scalars go: TensorBoard and Weights & Biases, two sinks behind one interface."""

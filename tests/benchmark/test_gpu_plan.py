@@ -1,0 +1,57 @@
+"""The GPU check's plan fits the device budget: each call's seconds add up to at most the call limit,
+the first call holds the issue's decisive items in their order, and --plan prints what the plan says."""
+
+from __future__ import annotations
+
+from lnstrain.benchmark.gpu_plan import CALL_LIMIT_S, CALLS, ITEMS, PLAN, call_items, call_total, plan_text
+from lnstrain.benchmark.gpu_summary import summary_rows
+from tests.tool_scripts import load_tool
+
+DEVICE_COMMAND_LIMIT_S = 600
+"""The device tool's limit on one command; a call must end inside it with room for the copy back."""
+
+
+def test_every_call_fits_the_limit_and_the_limit_fits_one_device_command():
+    assert CALL_LIMIT_S <= 540 < DEVICE_COMMAND_LIMIT_S
+    for call in CALLS:
+        assert 0 < call_total(call) <= CALL_LIMIT_S, (call, call_total(call))
+        assert all(item.seconds > 0 for item in call_items(call))
+
+
+def test_the_first_call_runs_the_decisive_items_first_in_the_issues_order():
+    first = [item.name for item in call_items(1)]
+    assert first == ["environment", "1b_eager", "1b_compiled", "core_tests", "1b_lns_vs_pre_ln", "1b_vs_hf_model"]
+    assert [ITEMS[name].issue_item for name in first] == ["(a)", "(b) (c)", "(b)", "(d)", "(e)", "(f)"]
+    assert ITEMS["environment"].seconds <= 60  # fail fast
+    assert ITEMS["core_tests"].seconds <= 120 and ITEMS["core_tests"].args[:2] == ("-m", "gpu and gpu_core")
+    eager, compiled = ITEMS["1b_eager"].args, ITEMS["1b_compiled"].args
+    assert "train.compile=false" in eager and "train.compile=true" in compiled
+    assert {"full_tests", "7b_width_2_layers", "7b_width_4_layers"} <= {item.name for item in PLAN if item.call > 1}
+
+
+def test_the_1b_benchmark_config_is_the_training_layout():
+    from lnstrain.config.feasibility import OptimizerKind, optimizer_kind
+    from lnstrain.config.run_config import load_config
+    from lnstrain.benchmark.gpu_plan import CONFIG_1B
+
+    config = load_config(CONFIG_1B, [], 1, validate=False)
+    assert config.parallel.zero_stage == 1 and config.precision.dtype == "bf16" and config.precision.fp32_grad_accum
+    assert optimizer_kind(config) is OptimizerKind.BF16_OPTIMIZER  # fp32 master weights, fp32 accumulation
+    assert config.grad_accumulation_steps(1) >= 8 and config.data.seq_len == 2048
+    assert config.model.ffn_hidden_size % 256 == 0 and config.model.norm_scheme.value == "lns"
+
+
+def test_plan_prints_every_item_and_ends_with_the_total(capsys):
+    assert load_tool("gpu_check").main(["--plan"]) == 0
+    text = capsys.readouterr().out
+    assert text == plan_text(1) + "\n"
+    lines = text.strip().splitlines()
+    assert lines[-1] == f"total {call_total(1)} s of {CALL_LIMIT_S} s"
+    assert all(any(line.split()[0] == item.name for line in lines[1:-1]) for item in call_items(1))
+
+
+def test_an_empty_document_lists_every_first_call_figure_as_not_run():
+    rows = summary_rows({"items": {}})
+    assert {row.source for row in rows} >= {"environment", "1b_eager", "1b_compiled", "core_tests",
+                                            "1b_lns_vs_pre_ln", "1b_vs_hf_model"}
+    assert all(row.status == "not measured" for row in rows)
