@@ -53,6 +53,9 @@ class ModelConfig:
     then flash, memory-efficient and math as each fits, and leaves the choice to torch elsewhere; a named
     kernel is the only one allowed (torch raises where it cannot run the shapes or dtype)."""
 
+    EXECUTION_ONLY_KEYS = frozenset({"attention_backend"})
+    """Keys that choose how the same model is computed, not what it computes: a run may change them on resume."""
+
     def __post_init__(self) -> None:
         if isinstance(self.ffn_multiple_of, int) and isinstance(self.ffn_hidden_size, int) and self.ffn_multiple_of > 1:
             self.ffn_hidden_size = -(-self.ffn_hidden_size // self.ffn_multiple_of) * self.ffn_multiple_of

@@ -18,8 +18,9 @@ from lnstrain.checkpoint.locations import link_problems, resolve_resume
 from lnstrain.checkpoint.manager import data_mismatch_problems
 from lnstrain.checkpoint.metadata import CONFIG_FILE, read_metadata, saved_config_data, step_of
 from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_checkpoint, nothing_verifies
-from lnstrain.config.loader import Typed
+from lnstrain.config.loader import Typed, to_dict
 from lnstrain.config.run_config import Config
+from lnstrain.model.config import ModelConfig
 from lnstrain.tracking.wandb_sink import wandb_problems
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,12 @@ def model_mismatch_problems(config: Config, step_dir: Path) -> list[str]:
         saved = saved_config_data(step_dir / CONFIG_FILE)["model"]
     except (OSError, ValueError) as error:
         return [f"checkpoint.resume: cannot read {step_dir / CONFIG_FILE}: {error}"]
-    return [f"model.{key} is {value!r} but the checkpoint {step_dir} has {saved.get(key)!r}; resume with the "
-            f"checkpoint's model, or start a new run (another run.name, or checkpoint.resume: none)"
-            for key, value in config.to_dict()["model"].items() if saved.get(key) != value]
+    # A key the checkpoint does not record is newer than it: its default is what that lnstrain computed.
+    defaults = to_dict(ModelConfig())
+    return [f"model.{key} is {value!r} but the checkpoint {step_dir} has {saved.get(key, defaults.get(key))!r}; resume "
+            f"with the checkpoint's model, or start a new run (another run.name, or checkpoint.resume: none)"
+            for key, value in config.to_dict()["model"].items()
+            if key not in ModelConfig.EXECUTION_ONLY_KEYS and saved.get(key, defaults.get(key)) != value]
 
 
 def resume_problems(config: Config, compare_data: bool = True, world_size: int | None = None) -> list[str]:

@@ -274,6 +274,26 @@ def test_a_fallback_to_a_checkpoint_of_another_model_is_refused_before_loading(t
             f"{2 * model['hidden_size']}") in str(refused.value)
 
 
+def test_a_checkpoint_older_than_a_model_key_resumes_and_a_kernel_choice_may_change(tiny_corpus, tmp_path):
+    """A checkpoint saved before a model key existed ran with that key's default, so it resumes under
+    the default and is refused under any other value; the attention kernel may change on resume."""
+    import yaml
+
+    from tests.checkpoint.test_manager import fake_checkpoint
+
+    config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
+    saved = {k: v for k, v in config.to_dict()["model"].items() if k not in ("ffn_multiple_of", "attention_backend")}
+    step_dir = fake_checkpoint(config.checkpoint_dir, 2, config_yaml=yaml.safe_dump({"model": saved}))
+    assert preflight.model_mismatch_problems(config, step_dir) == []
+
+    config.model.attention_backend = "math"
+    assert preflight.model_mismatch_problems(config, step_dir) == []
+    config.model.ffn_multiple_of = 64
+    assert preflight.model_mismatch_problems(config, step_dir) == [
+        f"model.ffn_multiple_of is 64 but the checkpoint {step_dir} has 1; resume with the checkpoint's model, or "
+        "start a new run (another run.name, or checkpoint.resume: none)"]
+
+
 def test_downstream_tasks_and_wandb_that_cannot_run_are_problems(monkeypatch, tmp_path):
     import importlib.util
 
