@@ -25,7 +25,14 @@ import time
 import traceback
 from typing import Any, Callable
 
+logger = logging.getLogger(__name__)
 RankFunction = Callable[..., Any]
+RENDEZVOUS_FAILED = "rendezvous failed"
+RENDEZVOUS_ATTEMPTS = 3
+"""Gloo's full-mesh connect on localhost now and then fails with "Connection closed by peer" while both
+ranks are healthy (a few runs in a hundred on a loaded 2-core machine; a port taken between
+``free_port`` and the store's bind does the same): the ranks are started again on a new port, as an
+elastic launcher restarts its workers, up to this many times in all."""
 # The first torch optimizer imports torch._dynamo, and DeepSpeed's ZeRO optimizer check imports
 # torch.compile's backend (torch._inductor): together ~5 s of every engine build in a new process.
 FORK_SERVER_MODULES = ["torch", "torch.distributed", "deepspeed", "lnstrain.training.trainer", "torch._dynamo",
@@ -65,7 +72,11 @@ def _rank_main(fn: RankFunction, rank: int, world_size: int, port: int, args: tu
     try:
         if backend == "nccl":  # NCCL needs each rank on its own device before the first collective
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        except Exception:  # nothing of fn ran: the caller may start the ranks again
+            results.put((rank, RENDEZVOUS_FAILED, traceback.format_exc()))
+            return
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensor data into the bytes; the queue's own pickler would share it
         # through memory that disappears when this process exits.
@@ -93,6 +104,24 @@ def run_distributed(fn: RankFunction, world_size: int, *args: Any, timeout_s: fl
     context = mp.get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(FORK_SERVER_MODULES)  # takes effect when the server starts
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _run_ranks(context, fn, world_size, args, timeout_s, backend)
+        except _RendezvousFailed as failure:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise RuntimeError(f"the {world_size} ranks could not connect in {RENDEZVOUS_ATTEMPTS} attempts; "
+                                   f"the last:\n{failure}") from None
+            logger.warning("the %d ranks could not connect (attempt %d of %d); starting them again on a new port:\n%s",
+                           world_size, attempt, RENDEZVOUS_ATTEMPTS, failure)
+    raise AssertionError("unreachable")
+
+
+class _RendezvousFailed(Exception):
+    """A rank's ``init_process_group`` failed; its traceback is the message."""
+
+
+def _run_ranks(context: Any, fn: RankFunction, world_size: int, args: tuple, timeout_s: float,
+               backend: str) -> list[Any]:
     results = context.Queue()
     port = free_port()
     threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
@@ -119,6 +148,8 @@ def run_distributed(fn: RankFunction, world_size: int, *args: Any, timeout_s: fl
                     raise RuntimeError(f"ranks {dead} died (exit codes "
                                        f"{[processes[r].exitcode for r in dead]}) without reporting")
                 continue
+            if ok == RENDEZVOUS_FAILED:
+                raise _RendezvousFailed(f"rank {rank} of {world_size}:\n{value}")
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             values[rank] = pickle.loads(value)

@@ -104,3 +104,22 @@ def test_ranks_see_the_callers_current_environment_and_directory(tmp_path, monke
     results = run_distributed(_environment_worker, 2, timeout_s=60, start_method=start_method)
     assert [r[:3] for r in results] == [("set after the first launch", str(tmp_path), str(rank)) for rank in (0, 1)]
     assert all(r[3] for r in results) == (start_method == "forkserver")  # preloaded, or imported fresh
+
+
+@pytest.mark.multirank
+def test_ranks_that_cannot_connect_are_started_again_on_a_new_port(monkeypatch, caplog):
+    """The first rendezvous port is taken (rank 0's store cannot listen there): the ranks start again on
+    a fresh port, fn runs once, and the failed attempt is logged with rank 0's traceback."""
+    import socket
+
+    from lnstrain.parallel import local_ranks
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports, fresh_port = [taken.getsockname()[1]], local_ranks.free_port
+        monkeypatch.setattr(local_ranks, "free_port", lambda: ports.pop(0) if ports else fresh_port())
+        results = run_distributed(_tensor_worker, 2, timeout_s=60)
+    assert [r["weights"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+    [retry] = [r for r in caplog.records if "could not connect" in r.getMessage()]
+    assert "attempt 1 of 3" in retry.getMessage() and "rank 0 of 2" in retry.getMessage()
