@@ -6,6 +6,7 @@
 #
 #     launch/depth_study.sh                 # everything: hours on a 2-core CPU; rerunning resumes
 #     launch/depth_study.sh collect         # only the analyses and reports of what has finished
+#     launch/depth_study.sh data            # only the corpus (launch/depth_width_study.sh uses it too)
 #
 # Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
 # depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png). Every checkpoint's analysis is
@@ -37,6 +38,7 @@ if [[ ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ]]; then
     done
 fi
 
+[[ "${1:-run}" == data ]] && exit 0
 if [[ "${1:-run}" != collect ]]; then
     echo "== training $STUDY (one run after another; rerunning resumes)"
     nice -n 19 "$PYTHON" launch/scaling_study.py run "$STUDY" || echo "!! some runs failed (see their launch.log)"

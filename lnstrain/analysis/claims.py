@@ -306,6 +306,27 @@ def _values(spread: Spread | None) -> str:
     return text if len(spread.values) == 1 else f"{text} (mean {spread.mean:.4g})"
 
 
+def verdict_mark(result: ClaimResult) -> str:
+    """✓ holds, ✗ does not hold, = tie, – not testable; ~ after it when the seeds do not all agree."""
+    return {"holds": "✓", "does not hold": "✗", "tie": "="}.get(result.verdict, "–") + (
+        "" if result.beyond_seed_spread is not False else "~")
+
+
+def turning_step(verdicts: Sequence[tuple[int, bool | None]]) -> int | None:
+    """The first position (a training step, a model size) from which a claim holds at every later one
+    (None: it does not hold at the last). ``verdicts``: (position, holds) in order; ``holds`` None
+    (not testable there, e.g. a run not analysed yet) is skipped."""
+    turn = None
+    for position, holds in verdicts:
+        if holds is None:
+            continue
+        if holds:
+            turn = position if turn is None else turn
+        else:
+            turn = None
+    return turn
+
+
 def seed_text(result: ClaimResult) -> str:
     """"" for a single seed; else whether the seeds agree with the verdict."""
     if result.seeds < 2:

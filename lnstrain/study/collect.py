@@ -87,7 +87,9 @@ def markdown_table(rows: list[dict], sizes: list[str], schemes: list[str]) -> st
     for size in sizes:
         cells = [f"{means[(size, s)][2]:.2f}" if (size, s) in means else "—" for s in schemes]
         cells += [_cell(mean_downstream(rows, size, s, c), 4) for c in downstream for s in schemes]
-        lines.append(f"| {size} | {params[size] / 1e6:,.0f}M | " + " | ".join(cells) + " |")
+        millions = params[size] / 1e6
+        shown = f"{millions:,.0f}M" if millions >= 100 else f"{millions:.3g}M"  # the depth studies' sizes are < 10M
+        lines.append(f"| {size} | {shown} | " + " | ".join(cells) + " |")
     titles = [c.removeprefix("downstream ") for c in downstream]
     lines += ["", "| run | eval loss | eval ppl | " + "".join(f"{t} | " for t in titles) + "tokens | status |",
               "|---|---|---|" + "---|" * len(titles) + "---|---|"]

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnstrain.analysis.claims import ClaimResult, deep_half_mean_delta_loss, deep_layers, evaluate_claims
+from lnstrain.analysis.claims import (ClaimResult, deep_half_mean_delta_loss, deep_layers, evaluate_claims,
+                                      turning_step, verdict_mark)
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
 from lnstrain.evaluation.results import run_headlines
@@ -133,21 +134,6 @@ def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Compar
     return sorted(comparisons, key=lambda c: (order[(c.size, c.variant)], c.step))
 
 
-def turning_step(verdicts: Sequence[tuple[int, bool | None]]) -> int | None:
-    """The first step from which the claim holds at every later analysed step (None: it does not hold
-    at the last one). ``verdicts``: (step, holds) in step order; ``holds`` None (not testable there,
-    e.g. a run not analysed at that length yet) is skipped."""
-    turn = None
-    for step, holds in verdicts:
-        if holds is None:
-            continue
-        if holds:
-            turn = step if turn is None else turn
-        else:
-            turn = None
-    return turn
-
-
 CLAIM_COLUMNS = ["size", "variant", "step", "tokens", "claim", "scheme", "statistic", "expected", "subject_mean",
                  "reference_mean", "threshold", "difference", "holds", "verdict", "seeds", "beyond_seed_spread",
                  "values"]
@@ -192,11 +178,6 @@ def _tokens(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-def _mark(result: ClaimResult) -> str:
-    return {"holds": "✓", "does not hold": "✗", "tie": "="}.get(result.verdict, "–") + (
-        "" if result.beyond_seed_spread is not False else "~")
-
-
 def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
     """Per size and variant: each claim's verdict against training tokens, and where it turns."""
     lines = []
@@ -211,7 +192,7 @@ def verdict_tables(comparisons: Sequence[Comparison]) -> list[str]:
             cells, verdicts = [], []
             for c in series:
                 result = next((r for r in c.claims if (r.id, r.scheme) == (claim_id, scheme)), None)
-                cells.append("–" if result is None else _mark(result))
+                cells.append("–" if result is None else verdict_mark(result))
                 verdicts.append((c.step, None if result is None else result.holds))
             turn = turning_step(verdicts)
             if all(holds is None for _, holds in verdicts):
@@ -299,6 +280,13 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
              "it. \"holds from\": the first training length from which the claim holds at every later one "
              "where it is testable (– lengths are skipped). Claims and statistics: docs/depth_analysis.md.", "", *verdict_tables(comparisons)]
     lines += [f"![{path.name}]({path.name})" for path in plots] + [""]
+    if study.spec.depth.size_axes:
+        from lnstrain.study.size_report import size_section
+
+        size_lines, size_files = size_section(study, planned, analyses, comparisons, archive.read if archive else [],
+                                              out_dir)
+        lines += size_lines
+        files.update(size_files)
     if archive and archive.read:
         lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root}, not measured "
                   "here (nor kept by an earlier collect here).", ""]

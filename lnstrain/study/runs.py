@@ -35,7 +35,8 @@ def run_name(size: str, scheme: str, seed: int, variant: str = "") -> str:
 
 def compose_run_config(study: Study, size: str, scheme: str, seed: int, variant: str = "") -> Config:
     """recipe ← size piece ← scheme piece ← the study's data, names and seed ← ``set`` overrides ←
-    the variant's overrides."""
+    the size's ``size_set`` overrides ← the variant's overrides; then, with ``tokens_per_parameter``,
+    the training length."""
     spec = study.spec
     name = run_name(size, scheme, seed, variant)
     data: dict = {}
@@ -48,8 +49,15 @@ def compose_run_config(study: Study, size: str, scheme: str, seed: int, variant:
         "train": {"seed": seed},
         "model": {"init_seed": seed},
     })
-    overrides = spec.set + (spec.variants[variant] if variant else [])
-    return config_from_dict(apply_overrides(data, overrides), source=f"study run {name}")
+    overrides = spec.set + spec.size_set.get(size, []) + (spec.variants[variant] if variant else [])
+    data = apply_overrides(data, overrides)
+    config = config_from_dict(data, source=f"study run {name}")
+    if spec.tokens_per_parameter is None:
+        return config
+    steps = round(spec.tokens_per_parameter * config.model.num_parameters(include_embeddings=False)
+                  / config.tokens_per_step)
+    return config_from_dict(deep_merge(data, {"train": {"steps": max(steps, 1), "tokens": None}}),
+                            source=f"study run {name}")
 
 
 def study_runs(study: Study) -> list[StudyRun]:

@@ -103,6 +103,10 @@ class ClusterProfile:
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
 
 
+SIZE_AXES = {"depth": "num_layers", "width": "hidden_size"}
+"""A size axis of ``DepthCollection.size_axes`` and the model field that varies along it."""
+
+
 @dataclass
 class DepthCollection:
     """What ``collect`` measures with the depth analysis (docs/depth_analysis.md) on each run.
@@ -117,6 +121,10 @@ class DepthCollection:
         archive: a directory kept with the study (committed) that receives every checkpoint's
             analysis with hashes of the run and data it came from; ``collect`` reads analyses back
             from it when their checkpoints are gone (``study.depth_archive``). Empty: no archive.
+        size_axes: the claims' statistics against model size (``study.size_trends``): ``depth`` and/or
+            ``width`` → the sizes along that axis, which differ only in ``num_layers`` (``depth``) or
+            ``hidden_size`` (``width``, with heads and FFN scaled alike); each run is taken at its last
+            step. Empty: no size trends.
     """
 
     data: str
@@ -125,6 +133,7 @@ class DepthCollection:
     batch_size: int = 8
     reference: str = "pre_ln"
     archive: str = ""
+    size_axes: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +157,11 @@ class StudySpec:
             lengths): every size × variant × scheme × seed is one run, named
             ``<size>_<scheme>_<variant>_s<seed>``, with the variant's overrides applied after ``set``.
             Empty (the default): one run per size × scheme × seed, as without this key.
+        size_set: ``section.key=value`` overrides for the runs of one size (``size name`` → overrides),
+            applied after ``set`` and before the variant's, e.g. a learning rate per width.
+        tokens_per_parameter: when set, every run trains ``round(tokens_per_parameter × non-embedding
+            parameters / tokens per step)`` steps, so that every size sees the same tokens per
+            parameter (``train.steps`` and ``train.tokens`` may then not be set by the overrides).
         depth: depth analysis of the runs' checkpoints at ``collect`` (``DepthCollection``); none when unset.
     """
 
@@ -166,6 +180,8 @@ class StudySpec:
     search_layout: bool = True
     set: list[str] = field(default_factory=list)
     variants: dict[str, list[str]] = field(default_factory=dict)
+    size_set: dict[str, list[str]] = field(default_factory=dict)
+    tokens_per_parameter: float | None = None
     depth: DepthCollection | None = None
 
     def gpus_for(self, size: str) -> int:
@@ -222,7 +238,23 @@ def load_study(path: str | Path) -> Study:
         problems.append("seeds is empty")
     problems += [f"variants: name {name!r} may hold only letters, digits, '.', '-' and '+'"
                  for name in spec.variants if not re.fullmatch(r"[A-Za-z0-9.+-]+", name)]
+    problems += [f"size_set: {size!r} is not one of the sizes {spec.sizes}" for size in spec.size_set
+                 if size not in spec.sizes]
+    if spec.tokens_per_parameter is not None:
+        if spec.tokens_per_parameter <= 0:
+            problems.append(f"tokens_per_parameter must be positive (got {spec.tokens_per_parameter})")
+        overrides = spec.set + [o for group in (*spec.size_set.values(), *spec.variants.values()) for o in group]
+        problems += [f"override {o!r}: tokens_per_parameter sets every run's train.steps; remove the override "
+                     "(or tokens_per_parameter)" for o in overrides
+                     if o.split("=", 1)[0].strip() in ("train.steps", "train.tokens")]
     if spec.depth is not None:
+        for axis, sizes in spec.depth.size_axes.items():
+            if axis not in SIZE_AXES:
+                problems.append(f"depth.size_axes: axis {axis!r} must be one of {list(SIZE_AXES)}")
+            problems += [f"depth.size_axes.{axis}: {size!r} is not one of the sizes {spec.sizes}" for size in sizes
+                         if size not in spec.sizes]
+            if len(set(sizes)) < 2:
+                problems.append(f"depth.size_axes.{axis}: a trend needs at least two sizes (got {sizes})")
         if spec.depth.reference not in spec.schemes:
             problems.append(f"depth.reference: {spec.depth.reference!r} is not one of the schemes {spec.schemes}")
         if any(step < 1 for step in spec.depth.steps):
