@@ -4,8 +4,9 @@ to be committed with the study, so that runs trained in different sessions or on
 
 Each file records what the analysis depends on, as two content hashes:
 
-- ``trained_as``: the run's model, optimizer, training and precision settings and the content of its
-  training data and tokenizer (``data.fingerprint.data_fingerprint``), not its paths;
+- ``trained_as``: the run's model, optimizer, training and precision settings that differ from their
+  defaults, and the content of its training data and tokenizer (``data.fingerprint.data_fingerprint``),
+  not its paths;
 - ``measured_on``: the content of the validation token files and the number of windows measured.
 
 An archived analysis is used only when both match what the study would compute now; otherwise it is
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from lnstrain.analysis.depth_analysis import DepthAnalysis
 from lnstrain.checkpoint.metadata import write_atomically
+from lnstrain.config.loader import to_dict
 from lnstrain.config.run_config import Config
 from lnstrain.data.fingerprint import data_fingerprint, file_fingerprint, hash_description
 from lnstrain.study.spec import DepthCollection
@@ -33,9 +35,15 @@ WEIGHT_SHAPING_SECTIONS = ("model", "optim", "train", "precision")
 
 
 def trained_as(config: Config) -> str:
-    """Hash of everything that decides a run's weights at a step, without paths."""
-    sections = config.to_dict()
-    description = {name: sections[name] for name in WEIGHT_SHAPING_SECTIONS}
+    """Hash of everything that decides a run's weights at a step, without paths.
+
+    Only the settings that differ from their defaults enter it: a key added to lnstrain later, at a
+    default that keeps what earlier versions computed, leaves an archived analysis usable."""
+    description = {}
+    for name in WEIGHT_SHAPING_SECTIONS:
+        section = getattr(config, name)
+        values, defaults = to_dict(section), to_dict(type(section)())
+        description[name] = {key: value for key, value in values.items() if defaults.get(key) != value}
     description["data"] = data_fingerprint(config.data)
     return hash_description(description, length=32)
 

@@ -164,6 +164,29 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     assert "Not analysed yet (no complete checkpoint): depth16x64_pre_ln_lr3e-3_s1234 step 300, 600" in third
 
 
+def test_an_archived_analysis_survives_a_key_added_at_its_default(tmp_path):
+    """trained_as hashes the settings that differ from their defaults: a model key added to lnstrain
+    later (at a default) keeps the hash, a changed setting changes it."""
+    import dataclasses
+
+    from lnstrain.model.config import ModelConfig
+    from lnstrain.study.depth_archive import trained_as
+    from lnstrain.config.run_config import load_config
+    from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
+
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, tmp_path / "runs"), 1)
+    before = trained_as(config)
+    Later = dataclasses.make_dataclass("Later", [("a_key_added_later", int, dataclasses.field(default=7))],
+                                       bases=(ModelConfig,))
+    config.model = Later(**dataclasses.asdict(config.model))
+    assert trained_as(config) == before
+    config.model.a_key_added_later = 8
+    assert trained_as(config) != before
+    config.model.a_key_added_later, config.optim.lr = 7, config.optim.lr * 2
+    assert trained_as(config) != before
+
+
 def test_collect_puts_downstream_accuracy_beside_perplexity(tmp_path):
     """Finished runs (final_metrics.json) of which some were evaluated on lm-eval tasks at their last step."""
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
