@@ -82,23 +82,39 @@ def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> Dep
     return analyze_model(model, windows.batches, name=name, windows=windows.record)
 
 
+TRAINED_AS_FILE = "trained_as.txt"
+"""Beside an analysis an earlier ``collect`` computed: the ``trained_as`` of the run it measured."""
+
+
+def _local_trained_as(out_dir: Path) -> str | None:
+    try:
+        return (out_dir / TRAINED_AS_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+
+
 def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
                  ) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
-    """Every available analysis (read back from an earlier collect or the archive, or computed), and
-    what is missing. Each analysis found or computed here is also stored in the archive."""
+    """Every available analysis (read back from an earlier collect of the same run, as ``trained_as``
+    says, or from the archive, or computed), and what is missing. Each analysis found or computed here is also stored in the archive."""
     from lnstrain.checkpoint.metadata import is_complete
 
     depth, found, missing = study.spec.depth, [], []
     root = study.output_dir / "_study" / "depth" / "runs"
     for p in planned:
         config = p.config
-        trained = trained_as(config) if archive else ""  # hashes the run's data: once per run
+        try:
+            trained = trained_as(config)  # hashes the run's data: once per run
+        except OSError:  # its data is not here: an earlier analysis cannot be checked, and is taken as it is
+            if archive:
+                raise
+            trained = None
         for step in analysis_steps(depth, config.total_steps):
             step_dir = config.checkpoint_dir / f"global_step{step}"
             out_dir = root / p.run.name / f"step{step}"
             name = f"{p.run.scheme}_s{p.run.seed}"
             archived = archive.load(p.run.name, step, trained) if archive else None
-            if (out_dir / "depth_analysis.json").is_file():
+            if (out_dir / "depth_analysis.json").is_file() and trained in (None, _local_trained_as(out_dir)):
                 [analysis] = read_analyses(out_dir)
             elif archived is not None:
                 analysis = archived
@@ -107,6 +123,8 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 logger.info("%s: depth analysis of step %d", p.run.name, step)
                 analysis = analyse_checkpoint(step_dir, depth, name)
                 write_report([analysis], out_dir, plots=False)
+                if trained:
+                    (out_dir / TRAINED_AS_FILE).write_text(trained + "\n", encoding="utf-8")
             else:
                 missing.append((p.run.name, step))
                 continue

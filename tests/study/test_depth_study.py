@@ -163,6 +163,13 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     assert "Not used from the archive" in third and "depth16x64_lns_lr3e-3_s1234 step 600" in third
     assert "Not analysed yet (no complete checkpoint): depth16x64_pre_ln_lr3e-3_s1234 step 300, 600" in third
 
+    study.spec.output_dir = str(tmp_path / "session1")  # its earlier collect measured the lr 3e-3 runs
+    measured = []
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: measured.append(name) or
+                        synthetic(name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, 0.03, 0.01)))
+    collect_depth(study, plan_study(study))
+    assert sorted(measured) == ["lns_s1234"] * 2 + ["pre_ln_s1234"] * 2  # not the other lr's analyses
+
 
 def test_an_archived_analysis_survives_a_key_added_at_its_default(tmp_path):
     """trained_as hashes the settings that differ from their defaults: a model key added to lnstrain
