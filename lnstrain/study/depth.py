@@ -96,7 +96,8 @@ def _local_trained_as(out_dir: Path) -> str | None:
 def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
                  ) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
     """Every available analysis (read back from an earlier collect of the same run, as ``trained_as``
-    says, or from the archive, or computed), and what is missing. Each analysis found or computed here is also stored in the archive."""
+    says, or from the archive, or computed), and what is missing. Each analysis found or computed here
+    is also stored in the archive."""
     from lnstrain.checkpoint.metadata import is_complete
 
     depth, found, missing = study.spec.depth, [], []
