@@ -11,8 +11,9 @@
 # Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
 # depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png). Every checkpoint's analysis is
 # also kept in docs/depth_study/ (committed, depth.archive): `collect` on a machine without the
-# checkpoints regenerates the depth report from it, provided the corpus built here is the same
-# (the archive records its hashes; docs/depth_analysis.md gives the SHA-256 of the token file).
+# checkpoints regenerates the depth report from it, provided the corpus built here is the same (the
+# archive records its hashes; docs/depth_analysis.md gives the SHA-256 of the token file), or that no
+# corpus is here (`collect` does not build one; archive files of format 1 need the corpus).
 #
 # Two runs at once on 2 cores, in stages (what docs/depth_analysis.md's results came from):
 #     python launch/scaling_study.py run configs/studies/depth_turn.yaml --no-launch
@@ -26,7 +27,7 @@ WORK=depth_study
 STUDY=configs/studies/depth_turn.yaml
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
-if [[ ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ]]; then
+if [[ "${1:-run}" != collect && ( ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ) ]]; then
     echo "== building the docstring corpus, tokenizer and token files in $WORK/"
     mkdir -p "$WORK/tokenizer" "$WORK/data"
     "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --max-mb 40 --site-packages

@@ -9,7 +9,8 @@
 #     launch/depth_width_study.sh stage 2        # one stage: 1 (seed 1234 to 16x128), 2 (seed 1235 to
 #                                                # 16x128), 3 (16x192, seed 1234), 4 (16x192, seed 1235:
 #                                                # only when collect's second-seed rule asks for it)
-#     launch/depth_width_study.sh collect        # the reports of what has finished (also from the archive)
+#     launch/depth_width_study.sh collect        # the reports of what has finished (also from the archive,
+#                                                # in a fresh clone with no corpus or checkpoints)
 #
 # Logs: depth_study/depth_width/_logs/<run>.log (git-ignored, like the runs). Reports:
 # depth_study/depth_width/_study/ (results.md, depth/report.md with the size trends). Every finished
@@ -62,10 +63,10 @@ lane() {          # lane SCHEME STAGE...: that scheme's runs of the stages, one 
     done
 }
 
-launch/depth_study.sh data
 case "${1:-run}" in
-    collect) ;;
+    collect) ;;   # needs neither the corpus nor the checkpoints: what is missing is read from the archive
     run|stage)
+        launch/depth_study.sh data
         stages=(1 2 3)
         [[ "${1:-run}" == stage ]] && stages=("${2:?which stage (1-4)}")
         "$PYTHON" launch/scaling_study.py run "$STUDY" --no-launch >/dev/null

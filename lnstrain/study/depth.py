@@ -33,7 +33,7 @@ from lnstrain.analysis.claims import (ClaimResult, deep_half_mean_delta_loss, de
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
 from lnstrain.evaluation.results import run_headlines
-from lnstrain.study.depth_archive import DepthArchive, open_archive, trained_as
+from lnstrain.study.depth_archive import DepthArchive, open_archive, run_hashes
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.spec import DepthCollection, Study
 
@@ -104,17 +104,13 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
     root = study.output_dir / "_study" / "depth" / "runs"
     for p in planned:
         config = p.config
-        try:
-            trained = trained_as(config)  # hashes the run's data: once per run
-        except OSError:  # its data is not here: an earlier analysis cannot be checked, and is taken as it is
-            if archive:
-                raise
-            trained = None
+        hashes = run_hashes(config)  # hashes the run's data, when it is here: once per run
+        trained = hashes.trained_as  # None: an earlier analysis here cannot be checked, and is taken as it is
         for step in analysis_steps(depth, config.total_steps):
             step_dir = config.checkpoint_dir / f"global_step{step}"
             out_dir = root / p.run.name / f"step{step}"
             name = f"{p.run.scheme}_s{p.run.seed}"
-            archived = archive.load(p.run.name, step, trained) if archive else None
+            archived = archive.load(p.run.name, step, hashes) if archive else None
             if (out_dir / "depth_analysis.json").is_file() and trained in (None, _local_trained_as(out_dir)):
                 [analysis] = read_analyses(out_dir)
             elif archived is not None:
@@ -130,7 +126,7 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 missing.append((p.run.name, step))
                 continue
             if archive and archived is None:
-                archive.store(p.run.name, step, trained, analysis)
+                archive.store(p.run.name, step, hashes, analysis)
             found.append(CheckpointAnalysis(p, step, step * config.tokens_per_step, analysis))
     return found, missing
 
@@ -309,6 +305,12 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
     if archive and archive.read:
         lines += [f"{len(archive.read)} of these analyses were read from the archive {archive.root}, not measured "
                   "here (nor kept by an earlier collect here).", ""]
+    if archive and archive.unchecked:
+        trained_on, measured = archive.archive_data or ("?", "?")
+        lines += [f"The study's data is not here, so {len(archive.unchecked)} of the archived analyses could not be "
+                  "checked against it: each was taken because its run's settings match and it was made on the "
+                  f"data most of the archive was made on (training data {trained_on[:16]}, validation data "
+                  f"{measured[:16]}). Analyses made on other data are listed as not used.", ""]
     if archive and archive.stale:
         lines += [f"Not used from the archive {archive.root} (made from another config or data): "
                   + "; ".join(archive.stale), ""]

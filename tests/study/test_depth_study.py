@@ -171,6 +171,60 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     assert sorted(measured) == ["lns_s1234"] * 2 + ["pre_ln_s1234"] * 2  # not the other lr's analyses
 
 
+def test_a_fresh_clone_regenerates_the_report_from_the_archive_alone(tmp_path, monkeypatch):
+    """With neither the checkpoints nor the study's data (a fresh clone), collect takes each archived
+    analysis whose run settings match and that was made on the data most of the archive was made on,
+    and says that it could not check the data; a file made on other data, or one of format 1 (which
+    records no settings of its own), is not used. With the data here, a format 1 file that matches is
+    rewritten as format 2."""
+    import json
+    import shutil
+
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    study = load_study(REPO / "configs/studies/depth_turn.yaml")
+    study.spec.output_dir, study.spec.data_prefix = str(tmp_path / "session1"), str(corpus.prefix)
+    study.spec.tokenizer, study.spec.schemes, study.spec.seeds = str(corpus.tokenizer), ["pre_ln", "lns"], [1234, 1235]
+    study.spec.set = [f"data.valid_sources=[{{prefix: {corpus.prefix}}}]"]
+    study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=300"]}
+    archive = tmp_path / "archive"
+    study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(archive)
+    deep = {"pre_ln": 0.05, "lns": 0.02}
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: synthetic(
+        name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, deep[name.rsplit("_s", 1)[0]], 0.01)))
+    monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
+    for p in plan_study(study):
+        (p.config.run.dir / "checkpoints" / "global_step300").mkdir(parents=True)
+    first = collect_depth(study, plan_study(study))["depth report"].read_text()
+    files = {path.parent.name: path for path in archive.rglob("step300.json")}
+    assert len(files) == 4 and {json.loads(f.read_text())["format"] for f in files.values()} == {2}
+
+    old = files["depth16x64_lns_lr3e-3_s1234"]  # as an earlier lnstrain wrote it
+    record = json.loads(old.read_text())
+    legacy = {key: value for key, value in record.items() if key not in ("settings", "trained_on")}
+    old.write_text(json.dumps({**legacy, "format": 1}))
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
+    study.spec.output_dir = str(tmp_path / "session2")  # no checkpoints; the data is here: it vouches for it
+    assert "4 of these analyses were read from the archive" in collect_depth(study, plan_study(study))["depth report"].read_text()
+    assert json.loads(old.read_text()) == record  # rewritten as format 2, with the same hashes
+
+    shutil.move(tmp_path / "corpus", tmp_path / "elsewhere")  # a fresh clone: no data, no checkpoints
+    study.spec.output_dir = str(tmp_path / "session3")
+    alone = collect_depth(study, plan_study(study))["depth report"].read_text()
+    assert "4 of these analyses were read from the archive" in alone
+    assert "The study's data is not here, so 4 of the archived analyses could not be checked" in alone
+    assert first.split("![")[0] == alone.split("![")[0]  # the same tables
+
+    other = json.loads(files["depth16x64_pre_ln_lr3e-3_s1235"].read_text())
+    files["depth16x64_pre_ln_lr3e-3_s1235"].write_text(json.dumps({**other, "trained_on": "0" * 32}))
+    legacy = json.loads(files["depth16x64_lns_lr3e-3_s1235"].read_text())
+    files["depth16x64_lns_lr3e-3_s1235"].write_text(json.dumps({**legacy, "format": 1}))
+    study.spec.output_dir = str(tmp_path / "session4")
+    mixed = collect_depth(study, plan_study(study))["depth report"].read_text()
+    assert "2 of these analyses were read from the archive" in mixed
+    assert ("Not used from the archive " + str(archive) + " (made from another config or data): "
+            "depth16x64_pre_ln_lr3e-3_s1235 step 300; depth16x64_lns_lr3e-3_s1235 step 300") in mixed
+
+
 def test_an_archived_analysis_survives_a_key_added_at_its_default(tmp_path):
     """trained_as hashes the settings that differ from their defaults: a model key added to lnstrain
     later (at a default) keeps the hash, a changed setting changes it."""
