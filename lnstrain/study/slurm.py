@@ -135,8 +135,13 @@ def _resume_lines(job_name: str, run_dir: Path, checkpoint_dir: Path, options: S
                    f'submit this script again (or the next chain link will) to resume"']
     return [
         "RESTARTS=${SLURM_RESTART_COUNT:-0}",
-        f"if [[ -f {latest} ]]; then",
-        f'  echo "lnstrain: {job}: run \'{job_name}\' resumes from $(cat {latest})"',
+        # only a plain global_step<N> is echoed: `latest` is the run directory's, not the job log's, to trust
+        f"tag=$( [[ -f {latest} && ! -L {latest} ]] && head -c 64 {latest} | tr -d '[:space:]' || true)",
+        'if [[ "$tag" =~ ^global_step[0-9]+$ ]]; then',
+        f'  echo "lnstrain: {job}: run \'{job_name}\' resumes from $tag"',
+        f"elif [[ -e {latest} || -L {latest} ]]; then",
+        f'  echo "lnstrain: {job}: run \'{job_name}\' resumes where its checkpoints allow (\'latest\' is not a plain '
+        'global_step<N>; the run\'s log says which)"',
         f'else echo "lnstrain: {job}: run \'{job_name}\' starts (no checkpoint yet)"; fi',
         'if [[ -n "${LNSTRAIN_CHAIN_LINK:-}" ]]; then  # a chain does not resume a run that failed',
         f"  last_exit=$(tail -n 1 {jobs_log} 2>/dev/null | sed -n 's/.* exit=//p' || true)",

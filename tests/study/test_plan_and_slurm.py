@@ -162,6 +162,32 @@ def test_sbatch_ssh_mode_is_one_launcher(tmp_path):
     assert log.count("deepspeed ") == 1 and "--launcher pdsh" in log and "--no_ssh" not in log
 
 
+@pytest.mark.parametrize("latest, said", [
+    (None, "run 'tiny' starts (no checkpoint yet)"),
+    ("global_step10\n", "run 'tiny' resumes from global_step10"),
+    ("$(touch {marker})\x1b[2J", "run 'tiny' resumes where its checkpoints allow ('latest' is not a plain"),
+    ("link", "run 'tiny' resumes where its checkpoints allow ('latest' is not a plain"),
+])
+def test_the_batch_script_echoes_only_a_plain_latest_into_the_job_log(tmp_path, latest, said):
+    """The job log's first line names the step only when ``latest`` is a plain global_step<N>: what else
+    it holds (a command, terminal escapes, a link's target) never reaches the log or the shell."""
+    from lnstrain.study.slurm import _resume_lines
+
+    checkpoints, marker = tmp_path / "checkpoints", tmp_path / "ran"
+    checkpoints.mkdir()
+    if latest == "link":
+        (tmp_path / "secret").write_text("global_step99\n")
+        (checkpoints / "latest").symlink_to(tmp_path / "secret")
+    elif latest is not None:
+        (checkpoints / "latest").write_text(latest.format(marker=marker))
+    lines = _resume_lines("tiny", tmp_path, checkpoints, SlurmOptions(requeue=False))
+    result = subprocess.run(["bash", "-c", "train() { return 0; }\nSLURM_JOB_ID=7\n" + "\n".join(lines)],
+                            capture_output=True, text=True, check=True)
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("lnstrain: job 7 restart 0: " + said) and "\x1b" not in first and "99" not in first
+    assert not marker.exists()
+
+
 def test_study_file_problems_are_reported_together(tmp_path):
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"name": "x", "sizes": ["60m", "61m"], "schemes": ["lsn"], "data_prefix": "d",
