@@ -19,7 +19,8 @@ interval inside [0.99, 1.01], the ``--dry-run`` memory estimate within 10% of th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 SCHEMA = "lnstrain.gpu_check/2"
@@ -290,10 +291,21 @@ def memory_rows(doc: dict[str, Any]) -> list[Row]:
     return rows
 
 
+DRY_RUN_SHAPES = {"1B LNS seq 2048 bf16": "tiny shape (1B LNS seq 2048 bf16 on a GPU)",
+                  "7B width (hidden 4096), seq 4096": "tiny wide shape (7B width on a GPU)",
+                  "1B": "tiny shape (1B on a GPU)"}
+"""A dry run measures the tiny shapes in the GPU shapes' places; its rows say which shape they measured."""
+_GPU_SHAPE = re.compile("|".join(re.escape(shape) for shape in DRY_RUN_SHAPES))
+
+
 def summary_rows(doc: dict[str, Any]) -> list[Row]:
     """Every figure of the check with its goal and status, in the issue's order."""
-    return (environment_rows(doc) + throughput_rows(doc) + memory_rows(doc) + tests_rows(doc) + lns_rows(doc)
+    rows = (environment_rows(doc) + throughput_rows(doc) + memory_rows(doc) + tests_rows(doc) + lns_rows(doc)
             + hf_rows(doc) + layer_rows(doc))
+    if doc.get("dry_run"):
+        rows = [replace(row, figure=_GPU_SHAPE.sub(lambda match: DRY_RUN_SHAPES[match.group(0)], row.figure))
+                for row in rows]
+    return rows
 
 
 def _cell(text: str) -> str:

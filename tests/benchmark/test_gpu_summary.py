@@ -185,3 +185,7 @@ def test_markdown_has_the_table_failures_unfinished_stages_and_commands():
     assert "- 1b_vs_hf_engine: not started 55 s needed, 20 s left" in text
     assert "- 1b_eager: 30 of 95 s, `python tools/benchmark.py ...`" in text
     assert "DRY RUN" not in text and "DRY RUN" in to_markdown({**doc, "dry_run": True})
+    dry = [row.figure for row in summary_rows({**doc, "dry_run": True})]  # the tiny shapes ran in their places
+    assert all("on a GPU" in figure for figure in dry if "1B" in figure or "7B" in figure)
+    assert "(b) tiny shape (1B LNS seq 2048 bf16 on a GPU), training layout (FFN 5632, eager): tokens/s, TFLOP/s, MFU" in dry
+    assert "tiny wide shape (7B width on a GPU): per-layer MFU; 32-layer projection" in dry
