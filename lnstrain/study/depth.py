@@ -32,6 +32,9 @@ from lnstrain.analysis.claims import (ClaimResult, deep_half_mean_delta_loss, de
                                       turning_step, verdict_mark)
 from lnstrain.analysis.depth_analysis import DepthAnalysis, analyze_model
 from lnstrain.analysis.report import read_analyses, write_report
+from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.verifier import Trust
+from lnstrain.config.run_config import Config
 from lnstrain.evaluation.results import run_headlines
 from lnstrain.study.depth_archive import DepthArchive, open_archive, run_hashes
 from lnstrain.study.plan import PlannedRun
@@ -71,12 +74,13 @@ def analysis_steps(depth: DepthCollection, total_steps: int) -> list[int]:
     return sorted({step for step in depth.steps if step <= total_steps}) if depth.steps else [total_steps]
 
 
-def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str) -> DepthAnalysis:
-    """Depth analysis of one checkpoint on the study's validation data."""
+def analyse_checkpoint(step_dir: Path, depth: DepthCollection, name: str, trust: Trust) -> DepthAnalysis:
+    """Depth analysis of one checkpoint on the study's validation data, read under ``trust`` (the run's
+    own: its signing key and opt-ins)."""
     from lnstrain.analysis.eval_data import token_file_windows
     from lnstrain.analysis.model_loading import load_for_analysis
 
-    config, model = load_for_analysis(checkpoint=str(step_dir))
+    config, model = load_for_analysis(checkpoint=str(step_dir), trust=trust)
     windows = token_file_windows(depth.data, config.data.seq_len, depth.num_samples, depth.batch_size,
                                  config.model.vocab_size)
     return analyze_model(model, windows.batches, name=name, windows=windows.record)
@@ -93,14 +97,22 @@ def _local_trained_as(out_dir: Path) -> str | None:
         return None
 
 
-def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None
+def run_trust(config: Config) -> Trust:
+    """What the run itself would accept on resume: its signing key and its opt-ins."""
+    return Trust.from_config(config.checkpoint, [config.run.dir, config.checkpoint_dir])
+
+
+def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArchive | None = None,
+                 refused: list[tuple[str, int, str]] | None = None
                  ) -> tuple[list[CheckpointAnalysis], list[tuple[str, int]]]:
     """Every available analysis (read back from an earlier collect of the same run, as ``trained_as``
     says, or from the archive, or computed), and what is missing. Each analysis found or computed here
-    is also stored in the archive."""
+    is also stored in the archive. A checkpoint the run's trust refuses is listed in ``refused``
+    (run, step, why), not analysed."""
     from lnstrain.checkpoint.metadata import is_complete
 
     depth, found, missing = study.spec.depth, [], []
+    refused = [] if refused is None else refused
     root = study.output_dir / "_study" / "depth" / "runs"
     for p in planned:
         config = p.config
@@ -118,7 +130,12 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 archive.read.append(f"{p.run.name} step {step}")
             elif step_dir.is_dir() and is_complete(step_dir):
                 logger.info("%s: depth analysis of step %d", p.run.name, step)
-                analysis = analyse_checkpoint(step_dir, depth, name)
+                try:
+                    analysis = analyse_checkpoint(step_dir, depth, name, run_trust(config))
+                except CheckpointError as error:
+                    logger.error("%s step %d: not analysed: %s", p.run.name, step, error)
+                    refused.append((p.run.name, step, str(error)))
+                    continue
                 write_report([analysis], out_dir, plots=False)
                 if trained:
                     (out_dir / TRAINED_AS_FILE).write_text(trained + "\n", encoding="utf-8")
@@ -281,7 +298,8 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
     out_dir = study.output_dir / "_study" / "depth"
     out_dir.mkdir(parents=True, exist_ok=True)
     archive = open_archive(study.spec.depth)
-    analyses, missing = run_analyses(study, planned, archive)
+    refused: list[tuple[str, int, str]] = []
+    analyses, missing = run_analyses(study, planned, archive, refused)
     comparisons = compare(study, analyses)
     files = {"claims": out_dir / "claims.csv", "layers": out_dir / "layers.csv", "depth report": out_dir / "report.md"}
     write_claims_csv(comparisons, files["claims"])
@@ -314,6 +332,10 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
     if archive and archive.stale:
         lines += [f"Not used from the archive {archive.root} (made from another config or data): "
                   + "; ".join(archive.stale), ""]
+    if refused:
+        lines += ["Not analysed: the run's own checkpoint checks refused these checkpoints (their trust: "
+                  "`checkpoint.signing_key_file`, `allow_unverified`, `allow_pickle`):", ""]
+        lines += [f"- {run} step {step}: {why}" for run, step, why in refused] + [""]
     if missing:
         by_run: dict[str, list[str]] = defaultdict(list)
         for run, step in missing:

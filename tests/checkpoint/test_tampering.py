@@ -415,3 +415,22 @@ def test_a_key_must_be_the_owners_and_kept_outside_the_run(stopped_run, tmp_path
         short.write_text("secret")
         short.chmod(0o600)
         manager(stopped_run, run, f"checkpoint.signing_key_file={short}")
+
+
+def test_a_study_analyses_each_checkpoint_under_its_runs_own_key(stopped_run):
+    """A study's depth analysis reads a checkpoint as the run's resume would: with the run's signing
+    key a forged checkpoint is refused, which checksums alone cannot tell."""
+    from lnstrain.study.depth import analyse_checkpoint, run_trust
+    from lnstrain.study.spec import DepthCollection
+
+    run = stopped_run.copy("study_forged")
+    overwrite_middle(step_dir(run, 4) / MODEL_FILE)
+    rerecord(step_dir(run, 4), MODEL_FILE)
+    keyed = run_config(stopped_run.corpus, run, f"checkpoint.signing_key_file={stopped_run.key}")
+    depth = DepthCollection(data=str(stopped_run.corpus.prefix), num_samples=4, batch_size=2)
+    with pytest.raises(CheckpointError, match="FORGED"):
+        analyse_checkpoint(step_dir(run, 4), depth, "lns", run_trust(keyed))
+    signed = analyse_checkpoint(step_dir(run, 2), depth, "lns", run_trust(keyed))
+    assert signed.num_layers == keyed.model.num_layers and np.isfinite(signed.baseline.loss)
+    unkeyed = analyse_checkpoint(step_dir(run, 4), depth, "lns", run_trust(run_config(stopped_run.corpus, run)))
+    assert unkeyed.num_layers == signed.num_layers  # without the key, the forged weights are measured

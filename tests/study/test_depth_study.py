@@ -79,7 +79,7 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     deep = {("pre_ln", 300): 0.05, ("pre_ln", 600): 0.05, ("lns", 300): 0.01, ("lns", 600): 0.08,
             ("lns_gain_init", 300): 0.06, ("lns_gain_init", 600): 0.09}
 
-    def fake_analysis(step_dir, depth, name):
+    def fake_analysis(step_dir, depth, name, trust):
         scheme = name.rsplit("_s", 1)[0]
         value = deep[(scheme, int(step_dir.name.removeprefix("global_step")))]
         analysis = synthetic(name, scheme, delta=(1.0, 0.5, value, value), loss=4.0 + value)
@@ -138,7 +138,7 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
     study.spec.variants = {"lr3e-3": ["optim.lr=3e-3", "train.steps=600"]}
     study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(tmp_path / "archive")
     deep = {"pre_ln": 0.05, "lns": 0.02}
-    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: synthetic(
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name, trust: synthetic(
         name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, deep[name.rsplit("_s", 1)[0]], 0.01)))
     monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
     planned = plan_study(study)
@@ -165,7 +165,7 @@ def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkey
 
     study.spec.output_dir = str(tmp_path / "session1")  # its earlier collect measured the lr 3e-3 runs
     measured = []
-    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: measured.append(name) or
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name, trust: measured.append(name) or
                         synthetic(name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, 0.03, 0.01)))
     collect_depth(study, plan_study(study))
     assert sorted(measured) == ["lns_s1234"] * 2 + ["pre_ln_s1234"] * 2  # not the other lr's analyses
@@ -189,7 +189,7 @@ def test_a_fresh_clone_regenerates_the_report_from_the_archive_alone(tmp_path, m
     archive = tmp_path / "archive"
     study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(archive)
     deep = {"pre_ln": 0.05, "lns": 0.02}
-    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name: synthetic(
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda step_dir, depth, name, trust: synthetic(
         name, name.rsplit("_s", 1)[0], delta=(1.0, 0.5, deep[name.rsplit("_s", 1)[0]], 0.01)))
     monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
     for p in plan_study(study):

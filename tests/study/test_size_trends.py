@@ -90,7 +90,7 @@ def layered(name: str, scheme: str, layers: int, *, deep: float, loss: float, gr
                          pruning=pruning, summary=summarize(pruning))
 
 
-def fake_analysis(step_dir, depth, name):
+def fake_analysis(step_dir, depth, name, trust):
     """Known trends over depth (layers L) and width (read from the run's config): LNS's deep-half ΔP
     relative to Pre-LN's is -0.8 at 8 layers and rises 0.2 a doubling (zero at 128 layers); the loss
     gap is -0.05 nats everywhere; Pre-LN's variance growth is L / 2, LNS's 2. Seed 1235 moves LNS's
