@@ -2,6 +2,7 @@
 the checkpoints' analyses are synthetic (tests/analysis/test_claims.py), everything after is real."""
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,20 @@ def test_collect_depth_compares_schemes_per_variant_and_length(tmp_path, monkeyp
     monkeypatch.setattr(study_depth, "analyse_checkpoint", lambda *a: pytest.fail("measured again"))
     assert collect_depth(study, planned)["depth report"].read_text() == report
 
+    from lnstrain.checkpoint.errors import CheckpointError
+
+    def refuse_lns_gain_init(step_dir, depth, name, trust):  # as the run's own key would refuse a forgery
+        if name.startswith("lns_gain_init"):
+            raise CheckpointError(f"{step_dir}: FORGED")
+        return fake_analysis(step_dir, depth, name, trust)
+
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", refuse_lns_gain_init)
+    shutil.rmtree(tmp_path / "_study/depth/runs")  # the earlier collect's analyses: measure again
+    refused = collect_depth(study, planned)["depth report"].read_text()
+    assert "Not analysed: the run's own checkpoint checks refused these checkpoints" in refused
+    assert "- depth16x64_lns_gain_init_lr3e-3_s1234 step 600: " in refused and "FORGED" in refused
+    assert "| `lns_deep_layers_matter_more` | lns | ✗ | ✓ | 614K |" in refused  # the rest of the study goes on
+
 
 def test_depth_archive_combines_sessions_and_refuses_other_runs(tmp_path, monkeypatch):
     """A second session without the first one's checkpoints reads their analyses from the archive; an
@@ -178,7 +193,6 @@ def test_a_fresh_clone_regenerates_the_report_from_the_archive_alone(tmp_path, m
     records no settings of its own), is not used. With the data here, a format 1 file that matches is
     rewritten as format 2."""
     import json
-    import shutil
 
     corpus = build_tiny_corpus(tmp_path / "corpus")
     study = load_study(REPO / "configs/studies/depth_turn.yaml")
