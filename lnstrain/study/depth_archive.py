@@ -73,14 +73,6 @@ def run_hashes(config: Config) -> RunHashes:
     return RunHashes(settings, trained_on[:32], hash_description({**description, "data": trained_on}, length=32))
 
 
-def trained_as(config: Config) -> str:
-    """Hash of everything that decides a run's weights at a step, without paths (its data must be here)."""
-    hashes = run_hashes(config)
-    if hashes.trained_as is None:
-        raise FileNotFoundError(f"the data of run {config.run.name} is not here")
-    return hashes.trained_as
-
-
 def measured_on(depth: DepthCollection) -> str | None:
     """Hash of the validation data and sample count every checkpoint is measured with; None when the
     validation data is not here."""

@@ -240,26 +240,26 @@ def test_a_fresh_clone_regenerates_the_report_from_the_archive_alone(tmp_path, m
 
 
 def test_an_archived_analysis_survives_a_key_added_at_its_default(tmp_path):
-    """trained_as hashes the settings that differ from their defaults: a model key added to lnstrain
+    """run_hashes hashes the settings that differ from their defaults: a model key added to lnstrain
     later (at a default) keeps the hash, a changed setting changes it."""
     import dataclasses
 
     from lnstrain.model.config import ModelConfig
-    from lnstrain.study.depth_archive import trained_as
+    from lnstrain.study.depth_archive import run_hashes
     from lnstrain.config.run_config import load_config
     from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 
     corpus = build_tiny_corpus(tmp_path / "corpus")
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, tmp_path / "runs"), 1)
-    before = trained_as(config)
+    before = run_hashes(config).trained_as
     Later = dataclasses.make_dataclass("Later", [("a_key_added_later", int, dataclasses.field(default=7))],
                                        bases=(ModelConfig,))
     config.model = Later(**dataclasses.asdict(config.model))
-    assert trained_as(config) == before
+    assert run_hashes(config).trained_as == before
     config.model.a_key_added_later = 8
-    assert trained_as(config) != before
+    assert run_hashes(config).trained_as != before
     config.model.a_key_added_later, config.optim.lr = 7, config.optim.lr * 2
-    assert trained_as(config) != before
+    assert run_hashes(config).trained_as != before
 
 
 def test_collect_puts_downstream_accuracy_beside_perplexity(tmp_path):
