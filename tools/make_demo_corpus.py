@@ -4,101 +4,94 @@
 Every module, class and function docstring of the stdlib's ``.py`` files (parsed with ``ast``, never
 imported) becomes part of a document: a module's own docstring is one document, and each top-level
 class or function (its docstring followed by those of its methods) is another. Output: ``DIR/train.jsonl``
-and ``DIR/valid.jsonl`` (every 20th document), key "text". Deterministic for a given Python installation:
-files are visited in sorted order. About 1.6 MB of text on Python 3.11. With ``--site-packages`` the
-installed packages' docstrings follow the stdlib's (about 30 MB with lnstrain's dependencies), each
-distinct document once, for runs that should see more tokens than the stdlib holds without repeating.
+and ``DIR/valid.jsonl`` (every 20th document), key "text", and ``DIR/manifest.json``, which pins the
+corpus: each source file that gave a document, with the distribution that installed it and its
+SHA-256. About 1.6 MB of text on Python 3.11. With ``--site-packages`` the installed packages'
+docstrings follow the stdlib's (about 30 MB with lnstrain's dependencies), each distinct document once,
+for runs that should see more tokens than the stdlib holds without repeating.
+
+What is installed decides what such a corpus holds, so the same command gives another corpus on another
+machine. ``--from-manifest`` builds a manifest's corpus again, bit for bit: each file is taken from this
+Python's stdlib (or ``--stdlib``, a CPython ``Lib/`` folder), the installed packages, or a wheel or
+source archive of the recorded version in ``--packages`` (read, never installed); it exits 2 naming
+what is missing, with the ``pip download`` lines that fetch it, and checks both outputs against the
+manifest's SHA-256.
 
     python tools/make_demo_corpus.py --output demo_corpus --max-mb 5
     python tools/make_demo_corpus.py --output big_corpus --max-mb 40 --site-packages
+    python tools/make_demo_corpus.py --output depth_study/corpus \\
+        --from-manifest docs/depth_study/corpus.manifest.json --packages corpus_packages/
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import json
 import os
 import sys
-import sysconfig
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-def _docstrings(node: ast.AST) -> list[str]:
-    """Docstrings of ``node`` and of every class/function inside it, in source order."""
-    docs = []
-    for sub in ast.walk(node):
-        if isinstance(sub, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(sub)
-            if doc and len(doc) >= 40 and doc not in docs:
-                docs.append(doc)
-    return docs
-
-
-def module_documents(path: str) -> list[str]:
-    """Documents of one module: its own docstring, then one per top-level class or function."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-        return []
-    docs = []
-    module_doc = ast.get_docstring(tree)
-    if module_doc and len(module_doc) >= 40:
-        docs.append(module_doc)
-    for node in tree.body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = "\n\n".join(_docstrings(node))
-            if len(text) >= 80:
-                docs.append(text)
-    return docs
-
-
-def stdlib_files(site_packages: bool = False) -> list[str]:
-    """The stdlib's .py files in sorted order, then (with ``site_packages``) the installed packages'."""
-    files = _python_files(sysconfig.get_paths()["stdlib"], skip=("site-packages", "dist-packages"))
-    if site_packages:
-        files += _python_files(sysconfig.get_paths()["purelib"], skip=())
-    return files
-
-
-def _python_files(root: str, skip: tuple[str, ...]) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip + ("test", "tests", "idlelib", "__pycache__"))
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    return sorted(files, key=lambda p: os.path.relpath(p, root))
+from lnstrain.data.docstring_corpus import (  # noqa: E402
+    CorpusManifest,
+    CorpusSourceError,
+    build_corpus,
+    default_roots,
+    rebuild_from_manifest,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True, help="output folder (gets train.jsonl and valid.jsonl)")
+    p.add_argument("--output", required=True, help="output folder (gets train.jsonl, valid.jsonl, manifest.json)")
     p.add_argument("--max-mb", type=float, default=5.0, help="stop after this many MB of text (default 5)")
     p.add_argument("--valid-every", type=int, default=20, help="every N-th document goes to valid.jsonl (default 20)")
     p.add_argument("--site-packages", action="store_true",
                    help="after the stdlib, the installed packages' docstrings (repeated documents kept once)")
+    p.add_argument("--from-manifest", metavar="MANIFEST",
+                   help="build this manifest's corpus again, bit for bit (ignores the options above)")
+    p.add_argument("--packages", metavar="DIR",
+                   help="with --from-manifest: a folder of wheels and source archives (pip download) to take files from")
+    p.add_argument("--ignore-installed", action="store_true",
+                   help="with --from-manifest: take no file from the installed packages (only from --packages)")
+    p.add_argument("--stdlib", metavar="DIR",
+                   help="with --from-manifest: the standard library to take files from (default: this Python's)")
     args = p.parse_args(argv)
-    os.makedirs(args.output, exist_ok=True)
+    if args.valid_every < 1:
+        p.error("--valid-every must be at least 1")
     t0 = time.perf_counter()
-    counts, nbytes = {"train": 0, "valid": 0}, 0
-    with open(os.path.join(args.output, "train.jsonl"), "w", encoding="utf-8") as train, \
-            open(os.path.join(args.output, "valid.jsonl"), "w", encoding="utf-8") as valid:
-        n, seen = 0, set()
-        for path in stdlib_files(args.site_packages):
-            for text in module_documents(path):
-                if args.site_packages:
-                    if text in seen:
-                        continue
-                    seen.add(text)
-                n += 1
-                split = "valid" if n % args.valid_every == 0 else "train"
-                (valid if split == "valid" else train).write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                counts[split] += 1
-                nbytes += len(text.encode("utf-8"))
-            if nbytes >= args.max_mb * 1e6:
-                break
+    if args.from_manifest:
+        return _rebuild(args, t0)
+    manifest = build_corpus(args.output, default_roots(args.site_packages), args.max_mb, args.valid_every,
+                            dedupe=args.site_packages)
+    manifest.save(os.path.join(args.output, "manifest.json"))
     source = "stdlib and site-packages" if args.site_packages else "stdlib"
-    print(f"demo corpus: {counts['train']} train + {counts['valid']} valid documents, {nbytes / 1e6:.2f} MB "
-          f"of {source} docstrings in {args.output} ({time.perf_counter() - t0:.1f}s)")
+    print(f"demo corpus: {manifest.documents['train']} train + {manifest.documents['valid']} valid documents "
+          f"from {len(manifest.files)} files of {source} docstrings in {args.output} "
+          f"({time.perf_counter() - t0:.1f}s; pinned by {args.output}/manifest.json)")
+    return 0
+
+
+def _rebuild(args: argparse.Namespace, t0: float) -> int:
+    for flag, folder in (("--packages", args.packages), ("--stdlib", args.stdlib)):
+        if folder is not None and not os.path.isdir(folder):
+            print(f"error: {flag} {folder} is not a folder", file=sys.stderr)
+            return 2
+    os.makedirs(args.output, exist_ok=True)
+    try:
+        manifest = CorpusManifest.load(args.from_manifest)
+        outputs = rebuild_from_manifest(manifest, args.output, stdlib_dir=args.stdlib, package_dir=args.packages,
+                                        site_dirs=[] if args.ignore_installed else None,
+                                        requirements_file=os.path.join(args.output, "missing-packages.txt"))
+    except CorpusSourceError as e:
+        print(f"error: cannot rebuild the corpus of {args.from_manifest}:\n{e}", file=sys.stderr)
+        return 2
+    manifest.save(os.path.join(args.output, "manifest.json"))
+    if os.path.exists(os.path.join(args.output, "missing-packages.txt")):
+        os.remove(os.path.join(args.output, "missing-packages.txt"))
+    print(f"rebuilt {args.output} from {args.from_manifest}: {manifest.documents['train']} train + "
+          f"{manifest.documents['valid']} valid documents from {len(manifest.files)} files, SHA-256 "
+          f"train {outputs['train.jsonl'][:16]}… valid {outputs['valid.jsonl'][:16]}…, as recorded "
+          f"({time.perf_counter() - t0:.1f}s)")
     return 0
 
 
