@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Where does the LNS paper's pruning claim turn? The depth study of docs/depth_analysis.md: builds a
-# ~30 MB docstring corpus (stdlib and installed packages, no download), trains Pre-LN, LNS and
+# Where does the LNS paper's pruning claim turn? The depth study of docs/depth_analysis.md: builds the
+# depth studies' pinned ~40 MB docstring corpus (docs/depth_study/corpus.manifest.json), trains Pre-LN, LNS and
 # lns_gain_init at the depth demo's size (configs/studies/depth_turn.yaml, one run after another,
 # one thread each, niced), then analyses every run's checkpoints and compares the schemes.
 #
 #     launch/depth_study.sh                 # everything: hours on a 2-core CPU; rerunning resumes
 #     launch/depth_study.sh collect         # only the analyses and reports of what has finished
 #     launch/depth_study.sh data            # only the corpus (launch/depth_width_study.sh uses it too)
+#
+# The corpus is rebuilt bit for bit from its manifest: every source file the study's corpus came from
+# (CPython 3.11.7's stdlib and 126 packages at pinned versions), checked by SHA-256. Files this
+# machine lacks are read from wheels or source archives in CORPUS_PACKAGES (never installed); when
+# some are missing, the data step stops with exit 2 and the one `pip download` line that fetches them.
+# DEPTH_CORPUS=installed builds an unpinned corpus from this machine's packages instead (other data:
+# the archive's analyses will not count as made on it).
 #
 # Outputs (git-ignored): depth_study/{corpus,tokenizer,data,runs}; reports in
 # depth_study/runs/_study/ (results.md, depth/report.md, depth/*.png). Every checkpoint's analysis is
@@ -25,12 +32,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
 WORK=depth_study
 STUDY=configs/studies/depth_turn.yaml
+CORPUS_MANIFEST=docs/depth_study/corpus.manifest.json
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 if [[ "${1:-run}" != collect && ( ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ) ]]; then
-    echo "== building the docstring corpus, tokenizer and token files in $WORK/"
     mkdir -p "$WORK/tokenizer" "$WORK/data"
-    "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --max-mb 40 --site-packages
+    if [[ "${DEPTH_CORPUS:-pinned}" == installed ]]; then
+        echo "== building an unpinned docstring corpus from this machine's packages, its tokenizer and token files in $WORK/"
+        "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --max-mb 40 --site-packages
+    else
+        echo "== rebuilding the pinned docstring corpus ($CORPUS_MANIFEST), its tokenizer and token files in $WORK/"
+        "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --from-manifest "$CORPUS_MANIFEST" \
+            ${CORPUS_PACKAGES:+--packages "$CORPUS_PACKAGES"} || {
+            echo "!! set CORPUS_PACKAGES to the folder you download them into, and run this again" >&2; exit 2; }
+    fi
     "$PYTHON" tools/train_tokenizer.py --input "$WORK/corpus/train.jsonl" --output-prefix "$WORK/tokenizer/docstrings" \
         --vocab-size 2048 --model-type bpe --threads 1
     for split in train valid; do
