@@ -23,6 +23,11 @@ def _opmath(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a ``.to`` call when it already is one (see ``_RMSNorm.forward``)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = (x · rstd · gain).to(x.dtype), gain = weight · scale, rstd = (mean(x²) + eps)^-½ in at least
     fp32: torch's roundings. The constant ``scale`` is applied here, not as an autograd node of its own."""
@@ -34,7 +39,9 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, gain, rstd)
         ctx.scale = scale
-        return (x32 * rstd).mul_(gain).to(x.dtype)
+        # A fresh tensor, never one an in-place op or a same-dtype .to returned: torch 2.11 compiles an
+        # autograd.Function whose output is either into one whose gradients are all zero.
+        return _cast(x32 * rstd * gain, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -45,12 +52,12 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             rows = grad32.reshape(-1, grad32.shape[-1])
             grad_gain = (rows * normalized.reshape(rows.shape)).sum(0)
-            grad_weight = (grad_gain * ctx.scale if ctx.scale != 1.0 else grad_gain).to(gain.dtype)
+            grad_weight = _cast(grad_gain * ctx.scale if ctx.scale != 1.0 else grad_gain, gain.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_normalized = grad32 * _opmath(gain)
             mean_dot = (grad_normalized * normalized).mean(-1, keepdim=True)
-            grad_x = grad_normalized.sub_(normalized.mul_(mean_dot)).mul_(rstd).to(x.dtype)
+            grad_x = _cast(grad_normalized.sub_(normalized.mul_(mean_dot)).mul_(rstd), x.dtype)
         return grad_x, grad_weight, None, None
 
 

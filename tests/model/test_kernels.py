@@ -88,3 +88,29 @@ def test_swiglu_is_bitwise_autograds_and_keeps_no_silu_output():
         assert torch.equal(a, b)
     assert saved_bytes(swiglu, gate, up) == 0
     assert saved_bytes(lambda g, u: F.silu(g) * u, gate, up) == gate.numel() * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_traced_kernels_give_eagers_outputs_and_gradients_bitwise(dtype, scale):
+    """What torch.compile's autograd tracing makes of both functions, without generating kernels
+    (``aot_eager``). torch 2.11 traced an autograd.Function whose forward returned the result of an
+    in-place op, or of a same-dtype ``.to``, into one whose gradients were all zero (fp32 RMSNorm)."""
+    torch._dynamo.reset()
+    x0, up0 = torch.randn(2, 8, 32, dtype=dtype), torch.randn(2, 8, 32, dtype=dtype)
+    gain0, grad = (1 + 0.2 * torch.randn(32)).to(dtype), torch.randn(2, 8, 32, dtype=dtype)
+
+    def step(fn):
+        x, gain, up = (t.clone().requires_grad_() for t in (x0, gain0, up0))
+        out = fn(x, gain, up)
+        out.backward(grad)
+        return out.detach(), x.grad, gain.grad, up.grad
+
+    def both(x, gain, up):
+        return swiglu(rms_norm(x, gain, 1e-5, scale), up)
+
+    eager = step(both)
+    traced = step(torch.compile(both, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    for name, got, want in zip(("output", "x", "gain", "up"), traced, eager):
+        assert torch.equal(got, want), name
