@@ -37,18 +37,23 @@ print(json.dumps({{"loss": runner.step(), "deepspeed": deepspeed.__file__}}))
 
 
 def requirement_closure(name: str) -> set[str]:
-    """``name`` and every distribution it requires, recursively, as installed here (markers evaluated)."""
-    found, todo = set(), [name]
+    """``name`` and every distribution it requires, recursively, as installed here (markers evaluated,
+    the extras each requirement asks for included: torch's CUDA build needs cuda-toolkit[cudart, ...])."""
+    found: dict[str, set[str]] = {}
+    todo: list[tuple[str, set[str]]] = [(name, set())]
     while todo:
-        dist = metadata.distribution(todo.pop())
-        if dist.metadata["Name"].lower() in found:
+        wanted, extras = todo.pop()
+        dist = metadata.distribution(wanted)
+        key = dist.metadata["Name"].lower()
+        if key in found and extras <= found[key]:
             continue
-        found.add(dist.metadata["Name"].lower())
+        found[key] = found.get(key, set()) | extras
         for text in dist.requires or []:
             requirement = Requirement(text)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
-    return found
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": extra})
+                                                 for extra in {""} | found[key]):
+                todo.append((requirement.name, set(requirement.extras)))
+    return set(found)
 
 
 def only_torch_environment(path: Path) -> Path:
