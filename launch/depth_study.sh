@@ -10,8 +10,9 @@
 #
 # The corpus is rebuilt bit for bit from its manifest: every source file the study's corpus came from
 # (CPython 3.11.7's stdlib and 126 packages at pinned versions), checked by SHA-256. Files this
-# machine lacks are read from wheels or source archives in CORPUS_PACKAGES (never installed); when
-# some are missing, the data step stops with exit 2 and the one `pip download` line that fetches them.
+# machine lacks are read from wheels or source archives in CORPUS_PACKAGES (default
+# depth_study/corpus_packages; never installed); when some are missing, the data step stops with exit 2
+# and the one `pip download` line that fetches them there.
 # DEPTH_CORPUS=installed builds an unpinned corpus from this machine's packages instead (other data:
 # the archive's analyses will not count as made on it).
 #
@@ -33,6 +34,7 @@ PYTHON=${PYTHON:-python}
 WORK=depth_study
 STUDY=configs/studies/depth_turn.yaml
 CORPUS_MANIFEST=docs/depth_study/corpus.manifest.json
+CORPUS_PACKAGES=${CORPUS_PACKAGES:-$WORK/corpus_packages}   # wheels and source archives the rebuild may read
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 if [[ "${1:-run}" != collect && ( ! -s "$WORK/data/train.idx" || ! -s "$WORK/data/valid.idx" ) ]]; then
@@ -43,8 +45,7 @@ if [[ "${1:-run}" != collect && ( ! -s "$WORK/data/train.idx" || ! -s "$WORK/dat
     else
         echo "== rebuilding the pinned docstring corpus ($CORPUS_MANIFEST), its tokenizer and token files in $WORK/"
         "$PYTHON" tools/make_demo_corpus.py --output "$WORK/corpus" --from-manifest "$CORPUS_MANIFEST" \
-            ${CORPUS_PACKAGES:+--packages "$CORPUS_PACKAGES"} || {
-            echo "!! set CORPUS_PACKAGES to the folder you download them into, and run this again" >&2; exit 2; }
+            --packages "$CORPUS_PACKAGES" || { echo "!! then run $0 data again" >&2; exit 2; }
     fi
     "$PYTHON" tools/train_tokenizer.py --input "$WORK/corpus/train.jsonl" --output-prefix "$WORK/tokenizer/docstrings" \
         --vocab-size 2048 --model-type bpe --threads 1

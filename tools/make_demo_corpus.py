@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-manifest", metavar="MANIFEST",
                    help="build this manifest's corpus again, bit for bit (ignores the options above)")
     p.add_argument("--packages", metavar="DIR",
-                   help="with --from-manifest: a folder of wheels and source archives (pip download) to take files from")
+                   help="with --from-manifest: a folder of wheels and source archives (pip download) to take files "
+                        "from; one that does not exist yet is where the error message says to download them")
     p.add_argument("--ignore-installed", action="store_true",
                    help="with --from-manifest: take no file from the installed packages (only from --packages)")
     p.add_argument("--stdlib", metavar="DIR",
@@ -72,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rebuild(args: argparse.Namespace, t0: float) -> int:
-    for flag, folder in (("--packages", args.packages), ("--stdlib", args.stdlib)):
-        if folder is not None and not os.path.isdir(folder):
-            print(f"error: {flag} {folder} is not a folder", file=sys.stderr)
-            return 2
+    if args.stdlib is not None and not os.path.isdir(args.stdlib):
+        print(f"error: --stdlib {args.stdlib} is not a folder", file=sys.stderr)
+        return 2
+    if args.packages is not None and os.path.exists(args.packages) and not os.path.isdir(args.packages):
+        print(f"error: --packages {args.packages} is not a folder", file=sys.stderr)
+        return 2
     os.makedirs(args.output, exist_ok=True)
     try:
         manifest = CorpusManifest.load(args.from_manifest)

@@ -301,7 +301,7 @@ class PackageFolder:
     def __init__(self, folder: str | None):
         self.archives: dict[tuple[str, str], list[str]] = {}
         self._members: dict[str, dict[str, bytes]] = {}
-        if folder is None:
+        if folder is None or not os.path.isdir(folder):
             return
         for entry in sorted(os.listdir(folder)):
             key = self._name_and_version(entry)
@@ -440,8 +440,8 @@ def _missing_message(manifest: CorpusManifest, missing: dict[int, list[str]], st
             lines.append(f"  {name} {version}, {n} file(s) (first: {missing[index][0]})")
             downloads.append(f"{name}=={version}")
     if downloads:
-        lines.append(f"Fetch them (nothing is installed; a package with no wheel comes as its source archive) "
-                     f"and pass the folder with --packages {folder}:")
+        lines.append(f"Fetch them into {folder} (nothing is installed; a package with no wheel comes as its source "
+                     f"archive), then run again with --packages {folder}:")
         if requirements_file is not None:
             with open(requirements_file, "w", encoding="utf-8") as f:
                 f.write("".join(f"{d}\n" for d in downloads))

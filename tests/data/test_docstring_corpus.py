@@ -203,3 +203,21 @@ def test_a_package_with_no_wheel_is_read_from_its_source_archive(roots, tmp_path
     rebuild_from_manifest(manifest, str(tmp_path / "out"), stdlib_dir=stdlib, site_dirs=[site],
                           package_dir=str(archives))
     assert _corpus(tmp_path / "out") == _corpus(tmp_path / "corpus")
+
+
+def test_the_cli_names_the_missing_packages_and_the_folder_to_fetch_them_into(roots, tmp_path, capsys):
+    stdlib, _ = roots
+    _build(roots, tmp_path / "corpus").save(str(tmp_path / "manifest.json"))
+    fetch_into = tmp_path / "not_yet_downloaded"
+    tool = load_tool("make_demo_corpus")
+    assert tool.main(["--output", str(tmp_path / "out"), "--from-manifest", str(tmp_path / "manifest.json"),
+                      "--stdlib", stdlib, "--packages", str(fetch_into)]) == 2
+    err = capsys.readouterr().err
+    pins = tmp_path / "out" / "missing-packages.txt"
+    assert f"pip download --no-deps -r {pins} -d {fetch_into}" in err
+    assert "1 file(s) no installed distribution owned (first: loose.py)" in err
+    assert pins.read_text() == "pkg==1.0\n" and "Traceback" not in err
+    (tmp_path / "a_file").write_text("")
+    assert tool.main(["--output", str(tmp_path / "out"), "--from-manifest", str(tmp_path / "manifest.json"),
+                      "--packages", str(tmp_path / "a_file")]) == 2
+    assert "--packages" in capsys.readouterr().err
