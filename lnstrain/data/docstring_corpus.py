@@ -370,10 +370,9 @@ def rebuild_from_manifest(manifest: CorpusManifest, output_dir: str, stdlib_dir:
     Each file is taken from the first place whose bytes have the recorded SHA-256: for the stdlib,
     ``stdlib_dir`` (default: this interpreter's); for packages, ``site_dirs`` (default: this
     interpreter's site-packages), then the wheels or source archives of the recorded version in
-    ``package_dir``. Raises
-    ``CorpusSourceError`` before writing the corpus when some file is nowhere, naming each missing
-    distribution and the ``pip download`` line that fetches it (one line for all of them, reading
-    ``requirements_file``, when that is given: the missing ``name==version`` pins are written there).
+    ``package_dir``. Raises ``CorpusSourceError`` before writing the corpus when some file is nowhere,
+    naming each missing distribution and the ``pip download`` line that fetches it (one line for all
+    of them, reading ``requirements_file``, when that is given: the missing pins are written there).
     """
     paths = sysconfig.get_paths()
     stdlib_dir = stdlib_dir or paths["stdlib"]
@@ -391,9 +390,9 @@ def rebuild_from_manifest(manifest: CorpusManifest, output_dir: str, stdlib_dir:
         writer = _CorpusWriter(output_dir, manifest.valid_every, manifest.dedupe)
         try:
             for f, read in zip(manifest.files, readers):
-                data = read(f.path)
-                if data is None or _sha256(data) != f.sha256:
-                    raise CorpusSourceError(f"{f.root}:{f.path} changed while the corpus was being built")
+                data = read(f.path)  # vouched for above; the outputs' hashes catch a file changed since
+                if data is None:
+                    raise CorpusSourceError(f"{f.root}:{f.path} vanished while the corpus was being built")
                 writer.add(module_documents(data))
             return writer.finish(expected=manifest.outputs)
         except BaseException:
