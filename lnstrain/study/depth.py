@@ -37,8 +37,8 @@ from lnstrain.checkpoint.verifier import Trust
 from lnstrain.config.run_config import Config
 from lnstrain.evaluation.results import run_headlines
 from lnstrain.study.depth_archive import DepthArchive, open_archive, run_hashes
-from lnstrain.study.plan import PlannedRun
-from lnstrain.study.spec import DepthCollection, Study
+from lnstrain.study.plan import PlannedRun, plan_study
+from lnstrain.study.spec import DepthCollection, Study, load_study
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,22 @@ def run_analyses(study: Study, planned: Sequence[PlannedRun], archive: DepthArch
                 archive.store(p.run.name, step, hashes, analysis)
             found.append(CheckpointAnalysis(p, step, step * config.tokens_per_step, analysis))
     return found, missing
+
+
+def beside_analyses(study: Study) -> dict[str, list[CheckpointAnalysis]]:
+    """Axis -> the analyses of the studies ``depth.beside`` names for it (as their own ``collect`` finds
+    them: measured, kept by an earlier collect, or read from their archive)."""
+    found: dict[str, list[CheckpointAnalysis]] = defaultdict(list)
+    for axis, files in study.spec.depth.beside.items():
+        for file in files:
+            other = load_study(study.path(file))
+            if other.spec.depth is None:
+                logger.warning("%s has no depth section: nothing of it is shown beside the %s trend", file, axis)
+                continue
+            planned = [p for p in plan_study(other) if not p.error]
+            analyses, _ = run_analyses(other, planned, open_archive(other.spec.depth))
+            found[axis] += analyses
+    return dict(found)
 
 
 def compare(study: Study, analyses: Sequence[CheckpointAnalysis]) -> list[Comparison]:
@@ -317,7 +333,7 @@ def collect_depth(study: Study, planned: Sequence[PlannedRun]) -> dict[str, Path
         from lnstrain.study.size_report import size_section
 
         size_lines, size_files = size_section(study, planned, analyses, comparisons, archive.read if archive else [],
-                                              out_dir)
+                                              out_dir, beside_analyses(study))
         lines += size_lines
         files.update(size_files)
     if archive and archive.read:

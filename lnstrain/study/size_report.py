@@ -12,12 +12,14 @@ Files beside ``report.md``:
 from __future__ import annotations
 
 import csv
+import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lnstrain.analysis.claims import ClaimResult, turning_step, verdict_mark
-from lnstrain.study.size_trends import Trend, final_analyses, second_seed_calls, size_trends
+from lnstrain.study.size_trends import SizePoint, Trend, final_analyses, second_seed_calls, size_points, size_trends
 
 if TYPE_CHECKING:
     from lnstrain.study.depth_plots import CheckpointAnalysis
@@ -100,6 +102,46 @@ def trend_table(axis: str, sizes: list[tuple[str, int]], trends: Sequence[Trend]
         zero = "–" if t.crossing is None else f"{t.crossing.axis_value:.3g} {AXIS_UNITS[axis]}"
         lines.append(f"| `{t.claim}` | {t.scheme} | {t.label} ({'> 0' if t.paper_sign > 0 else '< 0'}) | "
                      + " | ".join(cells) + f" | {slope} | {t.verdict} | {zero} |")
+    return lines + [""]
+
+
+def fitted_at(trend: Trend, axis_value: float) -> float | None:
+    """The trend's fitted line at ``axis_value`` (an extrapolation beyond its sizes)."""
+    if trend.slope is None or trend.centre is None:
+        return None
+    x_mean = statistics.fmean(math.log2(p.axis_value) for p in trend.points for _ in p.values)
+    return trend.centre + trend.slope * (math.log2(axis_value) - x_mean)
+
+
+def beside_points(axis: str, analyses: Sequence[CheckpointAnalysis], reference: str
+                  ) -> dict[tuple[str, str, str], list[SizePoint]]:
+    """(variant, claim, scheme) -> the points of another study's runs on this axis."""
+    sizes = sorted({a.run.run.size for a in analyses})
+    return size_points(analyses, axis, sizes, reference)
+
+
+def beside_table(axis: str, trends: Sequence[Trend], points: dict[tuple[str, str, str], list[SizePoint]],
+                 analyses: Sequence[CheckpointAnalysis]) -> list[str]:
+    """Each outside point's g beside the value this axis's fitted line extrapolates to there."""
+    shown = sorted({(p.size, p.axis_value, p.parameters) for series in points.values() for p in series},
+                   key=lambda item: item[1])
+    if not shown:
+        return []
+    unit = AXIS_UNITS[axis]
+    tokens = {a.run.run.size: a.tokens for a in final_analyses(analyses)}
+    lines = ["Beside this trend, not fitted (another study's runs at their last step; each trained its own way): "
+             + "; ".join(f"{size} ({value} {unit}, {_parameters(n)} non-embedding parameters, "
+                         f"{tokens.get(size, 0) / n:.3g} tokens per parameter)" for size, value, n in shown)
+             + ". \"line\": this axis's fitted line extrapolated to that size.", "",
+             "| claim | scheme | " + " | ".join(f"{size} g | line at {value} {unit}" for size, value, _ in shown) + " |",
+             "|---|---|" + "---|---|" * len(shown)]
+    for t in trends:
+        by_size = {p.size: p for p in points.get((t.variant, t.claim, t.scheme), [])}
+        cells = []
+        for size, value, _ in shown:
+            line = fitted_at(t, value)
+            cells += [_cell(by_size[size].values) if size in by_size else "–", "–" if line is None else f"{line:+.3f}"]
+        lines.append(f"| `{t.claim}` | {t.scheme} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -190,9 +232,10 @@ def write_csvs(trends: Sequence[Trend], out_dir: Path) -> dict[str, Path]:
 
 
 def size_section(study: Study, planned: Sequence[PlannedRun], analyses: Sequence[CheckpointAnalysis],
-                 comparisons: Sequence[Comparison], archived: Sequence[str], out_dir: Path
-                 ) -> tuple[list[str], dict[str, Path]]:
-    """The report's lines about size, and the files written beside it."""
+                 comparisons: Sequence[Comparison], archived: Sequence[str], out_dir: Path,
+                 beside: dict[str, list[CheckpointAnalysis]] | None = None) -> tuple[list[str], dict[str, Path]]:
+    """The report's lines about size, and the files written beside it; ``beside``: axis -> other studies'
+    analyses shown beside that axis's trend (``depth.beside``)."""
     from lnstrain.study.size_trend_plots import plot_size_trends
 
     depth = study.spec.depth
@@ -211,10 +254,13 @@ def size_section(study: Study, planned: Sequence[PlannedRun], analyses: Sequence
             sizes = _axis_sizes(study, planned, axis)
             along = [t for t in trends if t.axis == axis and t.variant == variant]
             title = f"{axis.capitalize()} ({', '.join(size for size, _ in sizes)})"
+            outside = (beside or {}).get(axis, [])
+            outside_points = beside_points(axis, outside, depth.reference)
             lines += [f"### {title}" + (f", {variant}" if variant else ""), "",
                       *verdicts_along(axis, sizes, variant, claims), *trend_table(axis, sizes, along),
-                      *crossing_notes(axis, along)]
-            plot = plot_size_trends(along, axis, out_dir / f"size_trend_{axis}{'_' + variant if variant else ''}.png")
+                      *crossing_notes(axis, along), *beside_table(axis, along, outside_points, outside)]
+            plot = plot_size_trends(along, axis, out_dir / f"size_trend_{axis}{'_' + variant if variant else ''}.png",
+                                    outside_points)
             if plot is not None:
                 files[plot.stem] = plot
                 lines += [f"![{plot.name}]({plot.name})", ""]

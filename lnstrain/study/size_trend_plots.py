@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lnstrain.analysis.plots import pyplot
-from lnstrain.study.size_trends import Trend, t_quantile_975
+from lnstrain.study.size_trends import SizePoint, Trend, t_quantile_975
 
 AXIS_LABELS = {"depth": "layers", "width": "width"}
 
@@ -32,7 +32,10 @@ def _band(trend: Trend, xs: list[float]) -> tuple[list[float], list[float], list
     return line, [y - h for y, h in zip(line, half)], [y + h for y, h in zip(line, half)]
 
 
-def plot_size_trends(trends: Sequence[Trend], axis: str, path: Path) -> Path | None:
+def plot_size_trends(trends: Sequence[Trend], axis: str, path: Path,
+                     beside: Mapping[tuple[str, str, str], Sequence[SizePoint]] | None = None) -> Path | None:
+    """``beside``: (variant, claim, scheme) -> other studies' points, drawn apart and reached by the
+    fitted line extended (dashed) as an extrapolation."""
     plt = pyplot()
     if plt is None or not trends:
         return None
@@ -52,6 +55,18 @@ def plot_size_trends(trends: Sequence[Trend], axis: str, path: Path) -> Path | N
             line, low, high = band
             panel.plot([2 ** x for x in xs], line, color="C1", label=f"{trend.verdict}")
             panel.fill_between([2 ** x for x in xs], low, high, color="C1", alpha=0.2)
+        outside = list((beside or {}).get((trend.variant, trend.claim, trend.scheme), []))
+        for point in outside:
+            panel.scatter([point.axis_value] * len(point.values), point.values, marker="D", color="C3", zorder=3,
+                          label=f"{point.size} (not fitted)")
+        if outside and band is not None:
+            far = math.log2(max(p.axis_value for p in outside))
+            extended = [xs[-1] + (far - xs[-1]) * i / 20 for i in range(21)]
+            slope_line = _band(trend, extended)
+            if slope_line is not None:
+                panel.plot([2 ** x for x in extended], slope_line[0], color="C1", linestyle="--", linewidth=0.9)
+        values = sorted(set(values) | {p.axis_value for p in outside})
+        if band is not None or outside:
             panel.legend(fontsize=7)
         panel.axhline(0.0, color="k", linewidth=0.8)
         panel.set_xscale("log", base=2)

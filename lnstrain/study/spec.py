@@ -125,6 +125,11 @@ class DepthCollection:
             ``width`` → the sizes along that axis, which differ only in ``num_layers`` (``depth``) or
             ``hidden_size`` (``width``, with heads and FFN scaled alike); each run is taken at its last
             step. Empty: no size trends.
+        beside: other studies shown beside an axis's trend and not fitted: axis → study files (relative
+            to this study's file). Each of their runs' last-step analyses (from their archive when their
+            checkpoints are not here) gives one point per claim, at its model's value on that axis, set
+            against this study's fitted line there; for points trained differently (another shape, recipe
+            or length), which the report says.
     """
 
     data: str
@@ -134,6 +139,7 @@ class DepthCollection:
     reference: str = "pre_ln"
     archive: str = ""
     size_axes: dict[str, list[str]] = field(default_factory=dict)
+    beside: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -255,6 +261,11 @@ def load_study(path: str | Path) -> Study:
                          if size not in spec.sizes]
             if len(set(sizes)) < 2:
                 problems.append(f"depth.size_axes.{axis}: a trend needs at least two sizes (got {sizes})")
+        for axis, files in spec.depth.beside.items():
+            if axis not in spec.depth.size_axes:
+                problems.append(f"depth.beside: axis {axis!r} is not one of depth.size_axes {list(spec.depth.size_axes)}")
+            problems += [f"depth.beside.{axis}: study file not found: {study.path(file)}" for file in files
+                         if not study.path(file).is_file()]
         if spec.depth.reference not in spec.schemes:
             problems.append(f"depth.reference: {spec.depth.reference!r} is not one of the schemes {spec.schemes}")
         if any(step < 1 for step in spec.depth.steps):

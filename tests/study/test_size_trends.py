@@ -15,6 +15,7 @@ from lnstrain.study import depth as study_depth
 from lnstrain.study.depth import collect_depth
 from lnstrain.study.plan import plan_study
 from lnstrain.study.size_trends import SizePoint, Trend, fit_trend, t_quantile_975
+from lnstrain.config.loader import ConfigError
 from lnstrain.study.spec import load_study
 from lnstrain.testing.tiny_corpus import build_tiny_corpus
 
@@ -165,3 +166,59 @@ def test_collect_reports_claims_against_size_and_regenerates_from_the_archive(tm
     assert again.split("## The claims against model size")[1].split("### Runs")[0] == size_part
     assert "| depth16x64_lns_s1235 | 2,400 | 2,457,600 | finished, analysed at step 2400 (read from the archive) |" in again
     assert "| depth48x64_lns_s1235 | 7,200 | 7,372,800 | not run (no checkpoint here, none archived) |" in again
+
+
+def test_another_studys_point_is_shown_beside_a_trend_and_not_fitted(tmp_path, monkeypatch):
+    """depth.beside: the GPU point (12 x 768) beside the width trend, its g in a table of its own and set
+    against the width line extrapolated to 768; the fit itself is the same with and without it."""
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    gpu_file = tmp_path / "gpu.yaml"
+    gpu_file.write_text((REPO / "configs/studies/depth_width_gpu.yaml").read_text()
+                        .replace("../recipes/", f"{REPO}/configs/recipes/")
+                        .replace("output_dir: depth_study/depth_width_gpu", f"output_dir: {tmp_path / 'gpu_runs'}")
+                        .replace("archive: docs/depth_study/depth_width_gpu", f"archive: {tmp_path / 'gpu_archive'}")
+                        .replace("data: depth_study/data/valid", f"data: {corpus.prefix}")
+                        + f"sizes_dir: {REPO}/configs/sizes\nschemes_dir: {REPO}/configs/schemes\n"
+                        + f"set: ['data.valid_sources=[{{prefix: {corpus.prefix}}}]']\n")
+    study = load_study(REPO / "configs/studies/depth_width.yaml")
+    study.spec.output_dir, study.spec.data_prefix = str(tmp_path / "runs"), str(corpus.prefix)
+    study.spec.tokenizer = str(corpus.tokenizer)
+    study.spec.set = [f"data.valid_sources=[{{prefix: {corpus.prefix}}}]"]
+    study.spec.depth.data, study.spec.depth.archive = str(corpus.prefix), str(tmp_path / "archive")
+    study.spec.depth.beside = {"width": [str(gpu_file)]}
+    monkeypatch.setattr(study_depth, "analyse_checkpoint", fake_analysis)
+    monkeypatch.setattr("lnstrain.checkpoint.metadata.is_complete", lambda step_dir: True)
+    gpu = load_study(gpu_file)
+    gpu.spec.data_prefix = str(corpus.prefix)
+    monkeypatch.setattr(study_depth, "load_study", lambda path: gpu if Path(path) == gpu_file else load_study(path))
+    for p in [*plan_study(study), *plan_study(gpu)]:
+        if p.run.name.startswith(("depth16x64_", "depth16x128_", "depth12x768_")):
+            (p.config.checkpoint_dir / f"global_step{p.config.total_steps}").mkdir(parents=True)
+
+    report = collect_depth(study, plan_study(study))["depth report"].read_text()
+    width_section = report.split("### Width (")[1].split("### Runs")[0]
+    assert "depth12x768 (768 width, 85M non-embedding parameters, 0.17 tokens per parameter)" in width_section
+    row = next(line for line in width_section.splitlines()
+               if line.startswith("| `lns_deep_layers_matter_more` | lns | ") and line.count("|") == 5)
+    measured, line_at_768 = (float(cell) for cell in row.split("|")[3:5])
+    # fake_analysis: g = -0.8 + 0.2 (log2(L / 8) + log2(w / 64)) (+0.02 for seed 1235)
+    assert measured == pytest.approx(-0.8 + 0.2 * (math.log2(12 / 8) + math.log2(768 / 64)), abs=1e-3)
+    assert line_at_768 == pytest.approx(-0.6 + 0.2 * math.log2(12) + 0.01 * 2 / 3, abs=0.02)
+    fits = (tmp_path / "runs/_study/depth/size_trend_fits.csv").read_text()
+    study.spec.depth.beside = {}
+    study.spec.output_dir = str(tmp_path / "runs_alone")
+    collect_depth(study, plan_study(study))
+    assert (tmp_path / "runs_alone/_study/depth/size_trend_fits.csv").read_text() == fits
+
+
+def test_a_beside_study_must_name_a_size_axis_and_exist(tmp_path):
+    text = (REPO / "configs/studies/depth_width.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("recipe: ../recipes/", f"recipe: {REPO}/configs/recipes/")
+                   .replace("sizes_dir", "sizes_dir") + f"sizes_dir: {REPO}/configs/sizes\nschemes_dir: {REPO}/configs/schemes\n")
+    bad.write_text(bad.read_text().replace("    width: [depth_width_gpu.yaml]\n", "    height: [nowhere.yaml]\n"))
+    with pytest.raises(ConfigError) as error:
+        load_study(bad)
+    message = str(error.value)
+    assert "depth.beside: axis 'height' is not one of depth.size_axes" in message
+    assert "depth.beside.height: study file not found" in message
