@@ -47,7 +47,8 @@ CONFIG_TINY_WIDE = "configs/bench/tiny_wide.yaml"  # the dry run's 7B-width pair
 DRY_RUN_TESTS = "tests/gpu/test_kernels_on_device.py"
 OUTPUT_TAIL_LINES = 40
 BENCHMARK_MARGIN_S = 8.0
-"""Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` for its report."""
+"""Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` (which counts from the
+process's start) for a last round slower than the one before, the report and the exit."""
 ENGINE_STEP = ("--config", CONFIG_TINY, "--baseline", "none", "--set", "precision.dtype=bf16", "--set",
                "parallel.zero_stage=1", "--set", "train.compile=false", "--warmup", "0", "--steps", "1")
 """The environment item's one bf16 engine step in the training layout's optimizer (BF16_Optimizer), on

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.tool_scripts import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "configs/bench/tiny.yaml"
+IMPORTED_AT = time.monotonic()
 
 
 def check_document(doc: dict, runner_names: list[str]) -> None:
@@ -123,3 +125,8 @@ def test_the_report_is_on_disk_whole_before_the_profile_runs(tmp_path):
     assert early["runners"] == json.loads(json.dumps(doc["runners"]))
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc)) and doc["profile"]["rows"]
     assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left behind
+
+
+def test_the_command_line_counts_its_time_limit_from_the_process_start():
+    # this process started before it imported this module (pytest's own imports came first)
+    assert load_tool("benchmark").process_started() < IMPORTED_AT
