@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -83,6 +84,7 @@ def run_stalled_item(tmp_path: Path, report_text: str | None) -> tuple[dict, dic
         check.run_item(dataclasses.replace(ITEMS["1b_compiled"], seconds=4), time.time())
     finally:
         check.log.close()
+        shutil.rmtree(check.scratch, ignore_errors=True)
     doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     return doc["items"]["1b_compiled"], doc
 
