@@ -12,6 +12,11 @@ TFLOP/s and MFU with FLOPs per token 6N + 12·L·h·s (attention non-causal, the
 torchtitan / OLMo convention; causal figures beside), a forward/backward/optimizer split for the
 plain runners, paired step-time ratios against the first runner with 95% intervals, and the peak
 memory next to the --dry-run estimate. Exit status 2: a bad config or option, nothing was timed.
+
+The JSON report is written (whole, or not at all) as soon as the figures exist, before the profile and
+before anything is torn down; once it and the table are out, the process ends without the interpreter's
+exit (inductor's compile-worker pool shutdown waits on its worker processes, and DeepSpeed's engine tears
+itself down), so a caller that stops the process at its time still finds the figures.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and report the operators/kernels by self time")
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="stop taking timed steps (keeping at least 3 per runner) and skip the profile when "
-                             "the next round would end past this many seconds after the start; the report says "
-                             "how many steps it timed")
+                             "the next round would end past this many seconds after the process started (its "
+                             "imports included); the report says how many steps it timed")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON here (rank 0)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -202,8 +209,44 @@ def median_phases(phases: list[dict]) -> dict[str, float] | None:
     return {key: float(torch.tensor([p[key] for p in phases]).median()) for key in phases[0]}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    started = time.monotonic()
+def process_started() -> float:
+    """When this process started, on ``time.monotonic``'s clock: from ``/proc/self/stat`` on Linux, so that
+    the interpreter's start and the imports count; elsewhere, now."""
+    try:
+        with open("/proc/self/stat", encoding="utf-8") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # from field 3 of proc(5) on: the name may hold spaces
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic()
+    return time.monotonic() - max(age, 0.0)
+
+
+def write_report(doc: dict, path: str) -> None:
+    """Write ``doc`` as JSON to ``path`` whole or not at all (a reader never sees half of it)."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp")
+    temporary.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, target)
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End the process now that its report is out: the process group is destroyed (quick; NCCL warns
+    when it is not), the output flushed, and the interpreter's exit skipped: its handlers shut down
+    inductor's compile-worker pool (waiting up to 300 s on the pool's sidecar process) and its finalizers
+    run the DeepSpeed engine's ``destroy``. The sidecar sees its pipe close when this process ends and
+    stops its workers."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None, started: float | None = None) -> dict:
+    """Run the benchmark; the report. ``started`` (``time.monotonic``) is where ``--time-limit-s`` counts
+    from: by default the call of this function."""
+    started = time.monotonic() if started is None else started
     args = parse_args(argv)
     deadline = None if args.time_limit_s is None else started + args.time_limit_s
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -247,8 +290,6 @@ def main(argv: list[str] | None = None) -> dict:
     profile_fits = deadline is None or not _past(time.monotonic() + 2 * max(max(s) for s in seconds), deadline)
     if args.profile_steps and not profile_fits:
         notes.append(f"--time-limit-s {args.time_limit_s:g}: no time left for --profile-steps {args.profile_steps}")
-    profiled = (profile_steps(runners[0][1].step, args.profile_steps, device)
-                if args.profile_steps and profile_fits else None)
     on_cpu = device.type == "cpu"
 
     flops = flops_per_token(config.model, config.data.seq_len)
@@ -284,14 +325,17 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": memory,
         "notes": notes,
     }
-    if profiled is not None:
-        doc["profile"] = profiled
+    if args.profile_steps and profile_fits:
+        if rank == 0 and args.json:
+            write_report(doc, args.json)  # the figures are kept should the profile run out the caller's time
+        doc["profile"] = profile_steps(runners[0][1].step, args.profile_steps, device)
     if rank == 0:
-        print(format_report(doc))
         if args.json:
-            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            write_report(doc, args.json)
+        print(format_report(doc), flush=True)
     return doc
 
 
 if __name__ == "__main__":
-    main()
+    main(started=process_started())
+    leave(0)

@@ -11,9 +11,11 @@ and a short Markdown table (``lnstrain/benchmark/gpu_plan.py`` is the plan, ``gp
 
 Every item is a subprocess (a crash or an out-of-memory loses that item only) stopped at its seconds;
 an item starts only if its seconds fit in what is left of the call (--time-limit-s, counted from
---started-at, which launch/gpu_check.sh sets before it installs the wheels). The results
-(gpu_check.json, gpu_check.md) and the whole output (gpu_check.log) are rewritten in --out after every
-item, so a call cut short keeps what it finished.
+--started-at, which launch/gpu_check.sh sets before it installs the wheels). A benchmark item's figures
+are its JSON report's: one that was written whole counts even when the process was stopped or failed
+afterwards (in its teardown), and the item says so. The results (gpu_check.json, gpu_check.md) and
+the whole output (gpu_check.log) are rewritten in --out after every item, so a call cut short keeps
+what it finished.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,14 +43,17 @@ sys.path.insert(0, str(ROOT))
 from lnstrain.benchmark.gpu_plan import (CALL_LIMIT_S, CALLS, CONFIG_1B, CONFIG_7B_WIDTH, CONFIG_TINY,  # noqa: E402
                                          ITEMS, PLAN, Item, call_items, plan_text)
 from lnstrain.benchmark.gpu_summary import SCHEMA, merge_documents, summary_json, to_markdown  # noqa: E402
+from lnstrain.benchmark.report import is_complete  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 CONFIG_TINY_WIDE = "configs/bench/tiny_wide.yaml"  # the dry run's 7B-width pair: layers dominate its step
 DRY_RUN_TESTS = "tests/gpu/test_kernels_on_device.py"
 OUTPUT_TAIL_LINES = 40
+BENCHMARK_TOOL = "tools/benchmark.py"
 BENCHMARK_MARGIN_S = 8.0
-"""Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` for its report."""
+"""Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` (which counts from the
+process's start) for a last round slower than the one before, the report and the exit."""
 ENGINE_STEP = ("--config", CONFIG_TINY, "--baseline", "none", "--set", "precision.dtype=bf16", "--set",
                "parallel.zero_stage=1", "--set", "train.compile=false", "--warmup", "0", "--steps", "1")
 """The environment item's one bf16 engine step in the training layout's optimizer (BF16_Optimizer), on
@@ -186,10 +192,10 @@ class Check:
         try:
             code = process.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)  # the child's own session: it and whatever it started
-            process.wait()
             code = 124
             tail.append(f"killed after {timeout_s:.0f} s (its allowance)")
+        kill_session(process.pid)  # it, or what it left behind (compile workers hold the output pipe)
+        process.wait()
         reader.join(timeout=10)
         return code, time.monotonic() - started, "\n".join(tail)
 
@@ -210,11 +216,13 @@ class Check:
         record["install"] = {"status": os.environ.get("LNSTRAIN_WHEEL_INSTALL", "not run (DeepSpeed was importable)"),
                              "seconds": float(install_end) - started_at if install_end else None}
         report_path = self.scratch / "engine_step.json"
-        command = [sys.executable, "tools/benchmark.py", *ENGINE_STEP, *self.device_args(), "--json", str(report_path)]
-        code, seconds, tail = self.run(command, max(min(self.remaining(), item.seconds), 1.0))
+        command = [sys.executable, BENCHMARK_TOOL, *ENGINE_STEP, *self.device_args(), "--json", str(report_path)]
+        allowance = max(min(self.remaining(), item.seconds), 1.0)
+        code, seconds, tail = self.run(command, allowance)
         record["command"] = shlex.join(["python", *command[1:-2]])
-        if code == 0 and report_path.is_file():
-            report = json.loads(report_path.read_text())
+        report = read_report(report_path)
+        if report is not None:
+            record["note"] = after_report_note(code, allowance)
             record["engine_step"] = {"device": report["environment"]["device_name"],
                                      "device_type": report["environment"]["device_type"], "seconds": seconds,
                                      "loss": report["runners"][0]["last_loss"]}
@@ -224,7 +232,7 @@ class Check:
             self.engine_failed = f"the environment item's bf16 engine step failed ({last[:200]})"
             record["output_tail"] = tail
         record["exit_code"] = code
-        record["status"] = "done" if code == 0 and not (environment or {}).get("error") else "failed"
+        record["status"] = "done" if report is not None and not (environment or {}).get("error") else "failed"
         record["duration_s"] = time.time() - started_at  # the install before this process included
 
     def run_tests(self, item: Item, record: dict[str, Any]) -> None:
@@ -243,13 +251,14 @@ class Check:
         report_path = self.scratch / f"{item.name}.json"
         allowance = self.allowance(item)
         args = dry_run_args(item) if self.dry_run else item.args
-        command = [sys.executable, "tools/benchmark.py", *args, *self.device_args(),
+        command = [sys.executable, BENCHMARK_TOOL, *args, *self.device_args(),
                    "--time-limit-s", f"{max(allowance - BENCHMARK_MARGIN_S, 1.0):.0f}", "--json", str(report_path)]
         code, seconds, tail = self.run(command, allowance)
-        report = json.loads(report_path.read_text()) if code == 0 and report_path.is_file() else None
+        report = read_report(report_path)
         record.update(command=shlex.join(["python", *command[1:-2]]), exit_code=code if report is not None or code else 1,
                       duration_s=seconds, report=report, status="done" if report is not None else "failed",
-                      output_tail="" if report is not None else tail)
+                      note=after_report_note(code, allowance) if report is not None else "",
+                      output_tail="" if report is not None and code == 0 else tail)
 
     def allowance(self, item: Item) -> float:
         """The seconds ``item`` may run: its own, or on the CPU's dry run whatever is left of the call."""
@@ -272,6 +281,31 @@ class Check:
         if record["status"] in ("not started", "skipped"):
             self.say(f"== {item.name}: {record['status']}: {record['note']}")
         self.save()
+
+
+def kill_session(pid: int) -> None:
+    """Kill every process of the session that ``pid`` leads (started with ``start_new_session``), if any is left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def read_report(path: Path) -> dict[str, Any] | None:
+    """The benchmark's JSON report at ``path`` if it is there and whole (``is_complete``), else None."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if is_complete(report) else None
+
+
+def after_report_note(code: int, allowance_s: float) -> str:
+    """What became of a process after it wrote a whole report: nothing to say when it exited cleanly."""
+    if code == 0:
+        return ""
+    what = (f"killed at its allowance ({allowance_s:.0f} s)" if code == 124 else f"exited with status {code}")
+    return f"{what} after writing its whole report, i.e. during teardown: the figures are the report's"
 
 
 def parse_junit(path: Path) -> tuple[dict[str, int], list[dict[str, str]]]:

@@ -66,12 +66,12 @@ _TWO_ENGINES = ("--set", "train.global_batch_size=16", "--set", "train.micro_bat
 PLAN: tuple[Item, ...] = (
     Item("environment", 1, 50, "environment", "(a)",
          "the GPU, torch, CUDA, DeepSpeed (installed offline from .whl/), and one bf16 engine step on CUDA"),
-    Item("1b_eager", 1, 95, "benchmark", "(b) (c)",
+    Item("1b_eager", 1, 85, "benchmark", "(b) (c)",
          "1B LNS seq 2048 bf16, training layout (ZeRO 1, fp32 master weights and accumulation, 8 micro-batches of "
          "4), eager: tokens/s, MFU, memory against the --dry-run estimate, a one-step kernel profile",
          ("--config", CONFIG_1B, *_bench(*_EAGER, "--warmup", "2", "--steps", "8", "--profile-steps", "1")),
          needs_engine=True),
-    Item("1b_compiled", 1, 140, "benchmark", "(b)",
+    Item("1b_compiled", 1, 150, "benchmark", "(b)",
          "the same, every transformer layer compiled (torch.compile, inductor): the first step compiles",
          ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--warmup", "2", "--steps", "8")),
          needs_engine=True),

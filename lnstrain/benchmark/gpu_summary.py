@@ -9,9 +9,10 @@ schema ``SCHEMA``::
                       "tests" ({"counts", "failures"}), "install", "engine_step", "output_tail"}}}
 
 An item's status is ``done``, ``failed``, ``skipped`` (it needs the engine and the engine step failed)
-or ``not started`` (its seconds did not fit in what was left of the call). Several calls' documents
-are joined by ``merge_documents``. ``summary_rows`` reads the issue's figures out of it and checks
-each goal: the environment item passing under a minute, the core GPU tests passing, 1B LNS MFU >= 50%
+or ``not started`` (its seconds did not fit in what was left of the call); a ``done`` item's ``note``
+says what went wrong after its figures were taken (its process killed in its teardown). Several calls'
+documents are joined by ``merge_documents``. ``summary_rows`` reads the issue's figures out of it and
+checks each goal: the environment item passing under a minute, the core GPU tests passing, 1B LNS MFU >= 50%
 (non-causal FLOPs), lnstrain >= 1.2x Hugging Face LLaMA, the LNS / Pre-LN step-time ratio's 95%
 interval inside [0.99, 1.01], the ``--dry-run`` memory estimate within 10% of the measured peak, and the
 7B-width per-layer MFU with the 32-layer projection it gives.
@@ -338,6 +339,9 @@ def to_markdown(doc: dict[str, Any]) -> str:
     if unfinished:
         lines += ["", "Items not done:"] + [f"- {name}: {item.get('status')} {item.get('note') or ''}".rstrip()
                                             for name, item in unfinished.items()]
+    remarked = {name: item["note"] for name, item in items.items() if item.get("status") == "done" and item.get("note")}
+    if remarked:
+        lines += ["", "Items done, with a remark:"] + [f"- {name}: {note}" for name, note in remarked.items()]
     lines += ["", "Items (seconds taken of seconds allowed) and commands:"]
     lines += [f"- {name}: {item.get('duration_s') or 0:.0f} of {item.get('allowed_s') or 0:.0f} s"
               + (f", `{item['command']}`" if item.get("command") else "") for name, item in items.items()]

@@ -25,6 +25,17 @@ RUNNER_FIELDS = ("name", "kind", "norm_scheme", "step_time_s", "cpu_time_s", "th
                  "last_loss")
 
 
+def is_complete(doc: Any) -> bool:
+    """Whether ``doc`` (a parsed JSON report) is a whole report of this schema: every required field,
+    every runner with its fields. A caller that finds one can take its figures whatever became of the
+    process that wrote it."""
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or any(key not in doc for key in REQUIRED_FIELDS):
+        return False
+    runners = doc["runners"]
+    return isinstance(runners, list) and all(isinstance(run, dict) and all(key in run for key in RUNNER_FIELDS)
+                                             for run in runners)
+
+
 def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
     try:

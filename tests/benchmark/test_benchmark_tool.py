@@ -7,18 +7,20 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from lnstrain.benchmark.report import REQUIRED_FIELDS, RUNNER_FIELDS, SCHEMA
+from lnstrain.benchmark.report import REQUIRED_FIELDS, RUNNER_FIELDS, SCHEMA, is_complete
 from lnstrain.estimate.flops import flops_per_token
 from lnstrain.model.presets import model_preset
 from tests.tool_scripts import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "configs/bench/tiny.yaml"
+IMPORTED_AT = time.monotonic()
 
 
 def check_document(doc: dict, runner_names: list[str]) -> None:
@@ -99,3 +101,32 @@ def test_a_time_limit_stops_the_timed_steps_early_but_never_below_three(tmp_path
     assert len(doc["runners"][0]["step_time_s"]["samples"]) == 3 and "profile" not in doc
     assert any("timed 3 of 50 steps" in note for note in doc["notes"])
     assert any("no time left for --profile-steps 2" in note for note in doc["notes"])
+
+
+def test_the_report_is_on_disk_whole_before_the_profile_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    tool = load_tool("benchmark")
+    profile_steps = tool.profile_steps
+    on_disk_while_profiling = []
+
+    def profile_after_looking(*args, **kwargs):
+        on_disk_while_profiling.append(json.loads(out.read_text()))
+        return profile_steps(*args, **kwargs)
+
+    tool.profile_steps = profile_after_looking
+    threads = torch.get_num_threads()
+    try:
+        doc = tool.main(["--config", TINY, "--runner", "model", "--baseline", "none", "--warmup", "0", "--steps", "3",
+                         "--threads", "1", "--profile-steps", "1", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    (early,) = on_disk_while_profiling
+    assert is_complete(early) and "profile" not in early
+    assert early["runners"] == json.loads(json.dumps(doc["runners"]))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc)) and doc["profile"]["rows"]
+    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left behind
+
+
+def test_the_command_line_counts_its_time_limit_from_the_process_start():
+    # this process started before it imported this module (pytest's own imports came first)
+    assert load_tool("benchmark").process_started() < IMPORTED_AT

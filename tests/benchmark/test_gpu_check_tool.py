@@ -1,20 +1,25 @@
 """tools/gpu_check.py and launch/gpu_check.sh on the CPU: unknown items refused, calls merged, items
 whose seconds do not fit recorded as not started, the engine items skipped when the engine step fails,
+an item killed at its allowance measured when it had written its whole report and failed when not,
 and the dry run end to end (the core GPU tests in their CPU mode and every first-call benchmark on the
 tiny shape) into one JSON and one Markdown table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from lnstrain.benchmark.gpu_plan import call_items
-from lnstrain.benchmark.gpu_summary import SCHEMA
-from tests.benchmark.test_gpu_summary import full_document
+from lnstrain.benchmark.gpu_plan import ITEMS, call_items
+from lnstrain.benchmark.gpu_summary import SCHEMA, summary_rows, to_markdown
+from lnstrain.benchmark.report import REQUIRED_FIELDS, is_complete
+from tests.benchmark.test_gpu_summary import ENGINE, full_document, report, runner
 from tests.tool_scripts import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +55,73 @@ def test_items_whose_seconds_do_not_fit_are_not_started(tmp_path):
         assert doc["items"][name]["status"] == "not started" and "s needed" in doc["items"][name]["note"]
         assert f"--only {name}" in doc["items"][name]["note"]
     assert "Items not done" in (tmp_path / "gpu_check.md").read_text()
+
+
+def whole_report(mfu: float) -> dict:
+    """A benchmark report with every field ``is_complete`` asks for."""
+    doc = report([runner(ENGINE, "engine", "lns", 1.35, mfu)])
+    doc["runners"][0].update(cpu_time_s=None, breakdown_s=None, last_loss=10.4)
+    doc.update(command="python tools/benchmark.py ...", environment={"device_type": "cuda"},
+               protocol={"timed_steps": 5, "requested_steps": 8})
+    return doc
+
+
+def stalled_benchmark(path: Path, report_text: str | None) -> str:
+    """A stand-in for tools/benchmark.py: it writes ``report_text`` to its --json path (nothing if None),
+    prints its table, and never exits, as a process stuck in its teardown."""
+    write = "" if report_text is None else f"Path(sys.argv[sys.argv.index('--json') + 1]).write_text({report_text!r})"
+    path.write_text("import sys, time\nfrom pathlib import Path\n" + write + "\n"
+                    "print('lnstrain-engine[lns] 1.3475 s/step', flush=True)\ntime.sleep(3600)\n")
+    return str(path)
+
+
+def run_stalled_item(tmp_path: Path, report_text: str | None) -> tuple[dict, dict]:
+    """Run the compiled 1B item, with a short allowance, on a benchmark that stalls after its report; (item, document)."""
+    tool = load_tool("gpu_check")
+    tool.BENCHMARK_TOOL = stalled_benchmark(tmp_path / "stalled_benchmark.py", report_text)
+    check = tool.Check(tmp_path / "out", dry_run=False, deadline=time.time() + 120, calls=[1])
+    try:
+        check.run_item(dataclasses.replace(ITEMS["1b_compiled"], seconds=4), time.time())
+    finally:
+        check.log.close()
+        shutil.rmtree(check.scratch, ignore_errors=True)
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    return doc["items"]["1b_compiled"], doc
+
+
+def test_an_item_killed_after_writing_its_whole_report_is_measured(tmp_path):
+    item, doc = run_stalled_item(tmp_path, json.dumps(whole_report(mfu=0.443)))
+    assert item["exit_code"] == 124 and item["status"] == "done"
+    assert item["report"] == whole_report(mfu=0.443)
+    assert "killed at its allowance (4 s) after writing its whole report" in item["note"]
+    assert "during teardown" in item["note"]
+    row = next(row for row in summary_rows(doc) if row.source == "1b_compiled")
+    assert row.status == "missed" and "MFU 44.3%" in row.measured
+    markdown = to_markdown(doc)
+    assert "Items not done" not in markdown
+    assert f"Items done, with a remark:\n- 1b_compiled: {item['note']}" in markdown
+
+
+@pytest.mark.parametrize("written", ["nothing", "half a report", "a report without its runners"])
+def test_an_item_killed_without_a_whole_report_stays_failed(tmp_path, written):
+    text = json.dumps(whole_report(mfu=0.443))
+    report_text = {"nothing": None, "half a report": text[: len(text) // 2],
+                   "a report without its runners": json.dumps({**whole_report(mfu=0.443), "runners": None})}[written]
+    item, doc = run_stalled_item(tmp_path, report_text)
+    assert item["exit_code"] == 124 and item["status"] == "failed" and item["report"] is None
+    assert item["note"] == "" and item["output_tail"].endswith("killed after 4 s (its allowance)")
+    row = next(row for row in summary_rows(doc) if row.source == "1b_compiled")
+    assert row.status == "not measured" and row.measured == "failed (exit 124): killed after 4 s (its allowance)"
+    assert "- 1b_compiled: failed" in to_markdown(doc)
+
+
+def test_a_report_is_whole_with_every_field_and_every_runners_fields():
+    doc = whole_report(mfu=0.5)
+    assert is_complete(doc)
+    assert not any(is_complete({key: value for key, value in doc.items() if key != field}) for field in REQUIRED_FIELDS)
+    assert not is_complete({**doc, "schema": "lnstrain.benchmark/0"})
+    assert not is_complete({**doc, "runners": [{"name": ENGINE}]})
+    assert not is_complete([doc]) and not is_complete(None)
 
 
 @pytest.mark.slow
