@@ -49,6 +49,20 @@ def overlaps_gradient_reduction(config: Config, world_size: int) -> bool:
             and config.data_parallel_size(world_size) > 1)
 
 
+def accumulates_fp32_gradients_in_backward(config: Config) -> bool:
+    """Whether BF16_Optimizer adds each bf16 gradient into its fp32 buffer as soon as backward produces
+    it, and drops the bf16 one (``bf16.immediate_grad_update``), rather than after each backward.
+
+    After each backward DeepSpeed would otherwise add every gradient into its fp32 buffer from the
+    bf16 ``.grad``, which it keeps and zeroes before the next micro-batch, so that autograd then adds
+    each new gradient to zeros: a bf16 zero and a bf16 add per parameter and micro-batch that change
+    nothing, and every bf16 gradient held to the end of backward. Both ways add the same bf16
+    gradients to the same fp32 buffer in the same micro-batch order: the numbers are the same.
+    Not under a pipeline, whose engine reduces tied weights' gradients from the bf16 ``.grad``.
+    """
+    return optimizer_kind(config) is OptimizerKind.BF16_OPTIMIZER and config.parallel.pipeline == 1
+
+
 def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON for ``config`` on ``world_size`` ranks."""
     precision = config.precision
@@ -79,6 +93,8 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
             derived["zero_optimization"]["overlap_comm"] = True
     if asks_fp32_accumulation(config):  # BF16_Optimizer at ZeRO 1, the ZeRO optimizers at 2 and 3
         derived["data_types"] = {"grad_accum_dtype": "fp32"}
+    if accumulates_fp32_gradients_in_backward(config):
+        derived["bf16"]["immediate_grad_update"] = True
     if config.parallel.pipeline > 1:
         derived["pipeline"] = {"activation_checkpoint_interval": 0}
     merged = deep_merge(derived, config.deepspeed)

@@ -23,6 +23,8 @@ E = min(ψ, 500M) the engine's all-reduce bucket, R the ZeRO reduce bucket, m th
     none            -                  4ψ + 4E (.grad, flattened copy)        4ψ + 4m (clipping)
     fp16_unfused    -                  2ψ + 2E                                2ψ + 4ψ (fp32 copies)
     bf16_optimizer  4ψ (fp32 accum.)   2ψ + 6E (+ fp32 copy sent)             2ψ
+    (bf16 gradients added to the fp32 buffer in backward, lnstrain's default at pipeline size 1:
+                                       6E                                     0)
     zero, fp32      -                  4ψ + 4R                                8ψ/d
     zero, 16-bit    -                  2ψ + 2R + 4ψ/d + 4m                    4ψ/d + 8m
     zero3, d = 1    eR + 4ψ            eψ + 4ψ                                4ψ
@@ -215,6 +217,15 @@ def _reduce_bucket(config: Config, world_size: int) -> tuple[int, bool]:
     return int(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_DEFAULT)), bool(zero.get("overlap_comm", False))
 
 
+def _bf16_gradients_dropped_in_backward(config: Config, world_size: int) -> bool:
+    """Whether BF16_Optimizer frees each bf16 gradient once it is added to the fp32 buffer
+    (``bf16.immediate_grad_update`` in the DeepSpeed JSON lnstrain derives)."""
+    from lnstrain.config.deepspeed_json import deepspeed_config
+
+    bf16 = deepspeed_config(config, world_size).get("bf16")
+    return isinstance(bf16, dict) and bool(bf16.get("immediate_grad_update", False))
+
+
 @dataclass(frozen=True)
 class _OptimizerTerms:
     """The optimizer's part of one stage's memory (see the table in the module docstring)."""
@@ -239,7 +250,8 @@ def _optimizer_terms(config: Config, world_size: int, kind: OptimizerKind, param
     if kind is OptimizerKind.FP16_UNFUSED:
         return _OptimizerTerms(12 * params, 0.0, 2 * params + 2 * flat, 6 * params, 2 * params)
     if kind is OptimizerKind.BF16_OPTIMIZER:
-        return _OptimizerTerms(12 * params / d, 4 * params, 2 * params + 6 * flat, 2 * params, 0.0)
+        bf16_grads = 0.0 if _bf16_gradients_dropped_in_backward(config, world_size) else 2 * params
+        return _OptimizerTerms(12 * params / d, 4 * params, bf16_grads + 6 * flat, bf16_grads, 0.0)
     bucket, overlap = _reduce_bucket(config, world_size)
     if kind is OptimizerKind.ZERO:
         bucket_bytes = e * bucket * (2 if overlap else 1)

@@ -10,13 +10,16 @@ their contiguous block of heads into a new q|k|v buffer (v copied beside them, s
 projection's output is freed rather than kept alive for attention's backward by a v view) and, in
 backward, writes the gradient of the whole fused output into one buffer. Its results
 (forward and gradients) are bitwise those of ``rotate`` applied to q and k separately, which is
-what it does under ``torch.compile`` (where inductor fuses the copies away anyway).
+what it does under ``torch.compile`` (where inductor fuses the copies away anyway). On CUDA with
+Triton, in bf16 or fp16, one kernel (``rotary_kernel``) does each direction in one pass, bitwise the same.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lnstrain.model import rotary_kernel
 
 
 class RotaryEmbedding(nn.Module):
@@ -107,8 +110,11 @@ class _RotateFusedQKV(torch.autograd.Function):
         heads = qkv.view(batch, seq, width // head_dim, head_dim)
         rotated = torch.empty_like(heads)
         qk = q_heads + kv_heads
-        _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
-        rotated[:, :, qk:] = heads[:, :, qk:]
+        if rotary_kernel.supports(heads, cos):
+            rotary_kernel.rotate_heads(heads, rotated, cos, sin, qk)
+        else:
+            _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
+            rotated[:, :, qk:] = heads[:, :, qk:]
         ctx.save_for_backward(cos, sin)
         ctx.q_heads = q_heads
         ctx.kv_heads = kv_heads
@@ -120,7 +126,13 @@ class _RotateFusedQKV(torch.autograd.Function):
         q_heads, kv_heads = ctx.q_heads, ctx.kv_heads
         batch, seq, _, head_dim = grad_v.shape
         grad = grad_v.new_empty(batch, seq, q_heads + 2 * kv_heads, head_dim)
-        _unrotate_into(grad_q, cos, sin, grad[:, :, :q_heads])
-        _unrotate_into(grad_k, cos, sin, grad[:, :, q_heads:q_heads + kv_heads])
-        grad[:, :, q_heads + kv_heads:] = grad_v
+        qk = q_heads + kv_heads
+        if all(rotary_kernel.supports(g, cos) for g in (grad_q, grad_k, grad_v)):
+            rotary_kernel.rotate_heads(grad_q, grad[:, :, :q_heads], cos, sin, q_heads, backward=True)
+            rotary_kernel.rotate_heads(grad_k, grad[:, :, q_heads:qk], cos, sin, kv_heads, backward=True)
+            rotary_kernel.rotate_heads(grad_v, grad[:, :, qk:], cos, sin, 0)
+        else:
+            _unrotate_into(grad_q, cos, sin, grad[:, :, :q_heads])
+            _unrotate_into(grad_k, cos, sin, grad[:, :, q_heads:qk])
+            grad[:, :, qk:] = grad_v
         return grad.view(batch, seq, -1), None, None, None, None

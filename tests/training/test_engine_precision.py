@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from lnstrain.config.deepspeed_json import deepspeed_config
+from lnstrain.config.deepspeed_json import accumulates_fp32_gradients_in_backward, deepspeed_config
 from lnstrain.config.feasibility import bf16_accumulation_problem, fp16_loss_scaling_problem, layout_problems
 from lnstrain.testing.distributed import run_distributed
 from lnstrain.training.optimizer import adam_kernel
@@ -33,8 +33,19 @@ def _config(dtype: str = "bf16", zero_stage: int = 0, micro_batch: int | None = 
 @pytest.mark.parametrize("zero_stage,accumulates_in_fp32_key", [(0, False), (1, True), (2, True), (3, True)])
 def test_bf16_json_asks_for_fp32_accumulation_only_where_deepspeed_has_it(zero_stage, accumulates_in_fp32_key):
     ds = deepspeed_config(_config(zero_stage=zero_stage), world_size=1)
-    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    immediate = {"immediate_grad_update": True} if zero_stage == 1 else {}  # BF16_Optimizer
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True, **immediate}
     assert ("data_types" in ds) == accumulates_in_fp32_key
+
+
+def test_bf16_optimizer_accumulates_in_backward_except_under_a_pipeline():
+    assert accumulates_fp32_gradients_in_backward(_config(zero_stage=1))
+    assert not accumulates_fp32_gradients_in_backward(_config(zero_stage=1, fp32_grad_accum=False))  # ZeRO's own
+    assert not accumulates_fp32_gradients_in_backward(_config(zero_stage=1, pipeline=2))
+    assert not accumulates_fp32_gradients_in_backward(_config(zero_stage=0, pipeline=2))
+    assert "immediate_grad_update" not in deepspeed_config(_config(zero_stage=0, pipeline=2), world_size=2)["bf16"]
+    opted_out = dataclasses.replace(_config(zero_stage=1), deepspeed={"bf16": {"immediate_grad_update": False}})
+    assert deepspeed_config(opted_out, world_size=1)["bf16"]["immediate_grad_update"] is False
 
 
 def test_bf16_zero0_with_accumulated_micro_batches_is_refused_naming_the_keys():
@@ -135,6 +146,45 @@ def test_bf16_engines_build_and_train_under_zero_0_1_2():
     assert results["bf16_zero1"]["data_types"] == ["torch.bfloat16", "torch.float32"]
     assert results["bf16_zero2"]["data_types"] == ["torch.bfloat16", "torch.float32"]
     assert results["bf16_zero0"]["data_types"] == ["torch.bfloat16", "torch.bfloat16"]
+
+
+def _accumulation_worker(rank: int, world_size: int) -> dict:
+    """BF16_Optimizer at ZeRO 1, 4 micro-batches per step: fp32 accumulation in backward (the default)
+    and after each backward (DeepSpeed's default, asked for in the deepspeed: section)."""
+    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.training.engine import build_engine
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, section in (("in_backward", {}), ("after_backward", {"bf16": {"immediate_grad_update": False}})):
+        config = dataclasses.replace(_config(zero_stage=1), deepspeed=section)
+        engine = build_engine(config, ParallelGroups.build(1, 1, False))
+        held = []  # bf16 gradients alive once the last backward is done
+
+        def count_bf16_grads():
+            held.append(sum(p.grad is not None for p in engine.module.parameters()))
+
+        steps = [engine.train_step(rank_micro_batches(step, 0, 1), count_bf16_grads) for step in range(STEPS)]
+        results[name] = {
+            "optimizer": type(engine._deepspeed.optimizer).__name__,
+            "losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
+            "masters": [p.detach().clone() for group in engine.base_optimizer.param_groups for p in group["params"]],
+            "weights": [p.detach().float().clone() for p in engine.module.parameters()],
+            "bf16_grads_held": held, "parameters": len(list(engine.module.parameters())),
+        }
+    return results
+
+
+@pytest.mark.multirank
+def test_bf16_accumulation_in_backward_changes_no_number():
+    (results,) = run_distributed(_accumulation_worker, 1, timeout_s=600)
+    new, old = results["in_backward"], results["after_backward"]
+    assert new["optimizer"] == old["optimizer"] == "BF16_Optimizer"
+    assert new["losses"] == old["losses"] and new["grad_norms"] == old["grad_norms"]  # bitwise
+    for a, b in zip(new["masters"] + new["weights"], old["masters"] + old["weights"], strict=True):
+        assert torch.equal(a, b)
+    # each bf16 gradient is dropped once added to the fp32 buffer, instead of held to the end of backward
+    assert new["bf16_grads_held"] == [0] * STEPS and old["bf16_grads_held"] == [old["parameters"]] * STEPS
 
 
 def test_fp16_without_zero_is_refused_because_deepspeed_would_not_scale_the_loss():
