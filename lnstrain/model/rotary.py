@@ -11,15 +11,22 @@ projection's output is freed rather than kept alive for attention's backward by 
 backward, writes the gradient of the whole fused output into one buffer. Its results
 (forward and gradients) are bitwise those of ``rotate`` applied to q and k separately, which is
 what it does under ``torch.compile`` (where inductor fuses the copies away anyway). On CUDA with
-Triton, in bf16 or fp16, one kernel (``rotary_kernel``) does each direction in one pass, bitwise the same.
+Triton, in bf16 or fp16, one kernel (``rotary_kernel``) does each direction in one pass, bitwise the same;
+it is used on a device and dtype only after it has given eager's bits there on a small case (once per
+process), and the eager ops run otherwise, with a warning.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 from torch import nn
 
 from lnstrain.model import rotary_kernel
+
+logger = logging.getLogger(__name__)
 
 
 class RotaryEmbedding(nn.Module):
@@ -102,6 +109,37 @@ def _unrotate_into(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out
     out[..., half:] -= grad_sin[..., :half]
 
 
+def _use_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return rotary_kernel.supports(x, cos) and kernel_matches_eager(x.device, x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel builds on ``device`` and gives the eager rotation's bits in ``dtype``,
+    forward and backward, on a small case with GQA and an odd number of heads per block."""
+    batch, seq, q_heads, kv_heads, head_dim = 2, 7, 6, 3, 32
+    generator = torch.Generator().manual_seed(0)
+    heads = torch.randn(batch, seq, q_heads + 2 * kv_heads, head_dim, generator=generator).to(device, dtype)
+    cos, sin = RotaryEmbedding(head_dim)._compute(seq, device, dtype)
+    qk = q_heads + kv_heads
+    by_kernel = [torch.empty_like(heads), torch.empty_like(heads)]
+    try:
+        rotary_kernel.rotate_heads(heads, by_kernel[0], cos, sin, qk)
+        rotary_kernel.rotate_heads(heads, by_kernel[1], cos, sin, qk, backward=True)
+    except Exception as error:  # a Triton or driver failure of any kind: the eager ops still work
+        logger.warning("the Triton rotary kernel failed on %s (%s: %s); rotating with eager ops", device,
+                       type(error).__name__, error)
+        return False
+    eager = [heads.clone(), heads.clone()]
+    _rotate_into(heads[:, :, :qk], cos, sin, eager[0][:, :, :qk])
+    _unrotate_into(heads[:, :, :qk], cos, sin, eager[1][:, :, :qk])
+    if all(torch.equal(a, b) for a, b in zip(by_kernel, eager)):
+        return True
+    logger.warning("the Triton rotary kernel's %s results on %s differ from the eager rotation's; rotating "
+                   "with eager ops", dtype, device)
+    return False
+
+
 class _RotateFusedQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int):
@@ -110,7 +148,7 @@ class _RotateFusedQKV(torch.autograd.Function):
         heads = qkv.view(batch, seq, width // head_dim, head_dim)
         rotated = torch.empty_like(heads)
         qk = q_heads + kv_heads
-        if rotary_kernel.supports(heads, cos):
+        if _use_kernel(heads, cos):
             rotary_kernel.rotate_heads(heads, rotated, cos, sin, qk)
         else:
             _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
@@ -127,7 +165,7 @@ class _RotateFusedQKV(torch.autograd.Function):
         batch, seq, _, head_dim = grad_v.shape
         grad = grad_v.new_empty(batch, seq, q_heads + 2 * kv_heads, head_dim)
         qk = q_heads + kv_heads
-        if all(rotary_kernel.supports(g, cos) for g in (grad_q, grad_k, grad_v)):
+        if all(_use_kernel(g, cos) for g in (grad_q, grad_k, grad_v)):
             rotary_kernel.rotate_heads(grad_q, grad[:, :, :q_heads], cos, sin, q_heads, backward=True)
             rotary_kernel.rotate_heads(grad_k, grad[:, :, q_heads:qk], cos, sin, kv_heads, backward=True)
             rotary_kernel.rotate_heads(grad_v, grad[:, :, qk:], cos, sin, 0)

@@ -8,6 +8,7 @@
   (``kernels.rms_norm`` on the CPU), forward and backward against the plain formula in fp64;
 * AdamW built by ``build_optimizer`` is the fused kernel, and five steps of it match torch's
   single-tensor AdamW in fp64.
+* the Triton kernel of the fused q|k|v rotation gives eager's bits on the device, so training uses it.
 
 Tolerances are relative L2 errors against fp64: bf16 arithmetic lands between 1e-3 and 1e-2 (8
 significant bits), fp32 far under 1e-5.
@@ -205,3 +206,15 @@ def test_adamw_is_fused_on_the_device_and_matches_the_single_tensor_reference(de
         reference.step()
     for name, param in model.named_parameters():
         assert relative_error(param, copies[param]) <= RELATIVE_TOLERANCE[torch.float32], name
+
+
+def test_the_triton_rotary_kernel_is_eagers_bitwise_and_used_on_the_device(device):
+    """On CUDA with Triton, the fused q|k|v rotation's kernel passes its own check (eager's bits on a
+    small case) in bf16 and fp16, so training uses it; the full comparison is tests/model/test_rotary_kernel.py."""
+    from lnstrain.model import rotary_kernel
+    from lnstrain.model.rotary import kernel_matches_eager
+
+    if device.type != "cuda" or rotary_kernel.triton is None:
+        pytest.skip("the Triton kernel runs on CUDA with Triton only")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kernel_matches_eager(device, dtype), dtype

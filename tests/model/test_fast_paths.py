@@ -5,11 +5,14 @@ by autograd; RMSNorm against x * rsqrt(mean(x^2) + eps) * (w / sqrt(l)); the
 one-rank cross-entropy (fused log-softmax) against the tensor-parallel form.
 """
 
+import logging
+
 import pytest
 import torch
 
 from lnstrain.model.norms import RMSNorm
-from lnstrain.model.rotary import RotaryEmbedding, rotate
+from lnstrain.model import rotary_kernel
+from lnstrain.model.rotary import RotaryEmbedding, kernel_matches_eager, rotate
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
@@ -34,6 +37,34 @@ def test_fused_qkv_rotary_is_bitwise_the_plain_rotation(q_heads, kv_heads):
     assert torch.equal(fused_grad, qkv.grad)
     buffers = {t.untyped_storage().data_ptr() for t in fused}
     assert buffers != {qkv.untyped_storage().data_ptr()} and len(buffers) == 1  # the projection's output can be freed
+
+
+@pytest.mark.parametrize("failure", ["wrong bits", "raises"])
+def test_a_rotary_kernel_that_fails_its_check_is_not_used(failure, monkeypatch, caplog):
+    """A kernel that gives other bits than eager (or does not build) on the device is found by the
+    once-per-device check and never used: the rotation is eager's, with a warning."""
+    def bad_kernel(source, target, cos, sin, rotated_heads, backward=False):
+        if failure == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        target.copy_(source)  # no rotation at all
+
+    monkeypatch.setattr(rotary_kernel, "supports", lambda x, cos: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(rotary_kernel, "rotate_heads", bad_kernel)
+    kernel_matches_eager.cache_clear()
+    try:
+        batch, seq, q_heads, kv_heads, head_dim = 2, 9, 4, 2, 8
+        rotary = RotaryEmbedding(head_dim)
+        qkv = torch.randn(batch, seq, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16).requires_grad_(True)
+        with caplog.at_level(logging.WARNING, logger="lnstrain.model.rotary"):
+            fused = rotary.fused_qkv(qkv, q_heads, kv_heads)
+        cos, sin = rotary.tables(seq, qkv.device, qkv.dtype)
+        q, k, v = qkv.detach().view(batch, seq, -1, head_dim).split([q_heads, kv_heads, kv_heads], dim=2)
+        for ours, reference in zip(fused, (rotate(q, cos, sin), rotate(k, cos, sin), v)):
+            assert torch.equal(ours, reference)
+        assert not kernel_matches_eager(qkv.device, torch.bfloat16)
+        assert "rotating with eager ops" in caplog.text
+    finally:
+        kernel_matches_eager.cache_clear()
 
 
 def test_rotation_is_rotate_half():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lnstrain.model import rotary_kernel
-from lnstrain.model.rotary import RotaryEmbedding
+from lnstrain.model.rotary import RotaryEmbedding, kernel_matches_eager
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -46,6 +46,7 @@ def _inputs(batch, seq, q_heads, kv_heads, head_dim, dtype, scale, seed):
 def test_kernel_is_bitwise_the_eager_rotation(dtype, q_heads, kv_heads, head_dim, monkeypatch):
     batch, seq = 2, 37
     rotary = RotaryEmbedding(head_dim, theta=10000.0)
+    assert kernel_matches_eager(torch.device(DEVICE), dtype)  # else both runs below would be eager's
     for seed, scale in ((0, 1.0), (1, 300.0), (2, 1e-3)):
         qkv, grads = _inputs(batch, seq, q_heads, kv_heads, head_dim, dtype, scale, seed)
         eager, eager_grad = _run(qkv, grads, rotary, q_heads, kv_heads, False, monkeypatch)
