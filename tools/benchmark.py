@@ -43,10 +43,11 @@ from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
 from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
                                        shape)
-from lnstrain.benchmark.runners import (EngineRunner, ModelRunner, RunnerSpec, StepRunner,  # noqa: E402
-                                        synthetic_micro_batches, with_norm_scheme)
+from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRunner, RunnerSpec,  # noqa: E402
+                                        SchemeSwitch, StepRunner, synthetic_micro_batches, with_norm_scheme)
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
 from lnstrain.benchmark.timing import paired_ratio, summarize  # noqa: E402
+from lnstrain.config.feasibility import compiles_layers  # noqa: E402
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import Config, load_config  # noqa: E402
 from lnstrain.estimate.flops import flops_per_token  # noqa: E402
@@ -71,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schemes", default=None,
                         help="comma-separated norm schemes to time side by side, e.g. lns,pre_ln "
                              "(default: the config's)")
+    parser.add_argument("--same-engine", action="store_true",
+                        help="with --schemes lns,pre_ln: time both on one engine, switching its norms' LNS "
+                             "factors between steps (the schemes differ only there), so that weights, memory and "
+                             "allocator state are the same for both and the ratio is the factor's cost; eager only")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per runner (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (default 10)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -121,6 +126,13 @@ def check_options(args: argparse.Namespace, config: Config, world_size: int) -> 
     schemes = args.schemes.split(",") if args.schemes else [NormScheme(config.model.norm_scheme).value]
     known = [s.value for s in NormScheme]
     problems += [f"--schemes: unknown norm scheme {s!r}; known: {', '.join(known)}" for s in schemes if s not in known]
+    if args.same_engine:
+        if sorted(schemes) != sorted(SWITCHED_SCHEMES) or args.runner != "engine":
+            problems.append(f"--same-engine times --schemes {','.join(SWITCHED_SCHEMES)} on --runner engine (got "
+                            f"--schemes {','.join(schemes)}, --runner {args.runner})")
+        if compiles_layers(config, pick_device(args.device).type):
+            problems.append("--same-engine: a compiled layer specialises on the LNS factor; add --set "
+                            "train.compile=false")
     if args.runner == "model" and world_size > 1:
         problems.append("--runner model is single-process; launch it with python, or use --runner engine")
     if args.baseline == "hf" and transformers_version() is None:
@@ -130,6 +142,9 @@ def check_options(args: argparse.Namespace, config: Config, world_size: int) -> 
 
 def runner_specs(args: argparse.Namespace, config: Config, schemes: list[str], world_size: int,
                  notes: list[str]) -> list[RunnerSpec]:
+    if args.same_engine:
+        lns = with_norm_scheme(config, "lns")
+        return [RunnerSpec(f"lnstrain-engine[{s}, one engine]", f"switched:{s}", lns) for s in schemes]
     specs = [RunnerSpec(f"lnstrain-{args.runner}[{s}]", args.runner, with_norm_scheme(config, s)) for s in schemes]
     if args.baseline == "none":
         return specs
@@ -142,9 +157,16 @@ def runner_specs(args: argparse.Namespace, config: Config, schemes: list[str], w
     return specs
 
 
-def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torch.device) -> StepRunner:
+def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torch.device,
+                 switches: dict[str, SchemeSwitch] | None = None) -> StepRunner:
+    """The runner ``spec`` names; ``switched:<scheme>`` runners share the one engine kept in ``switches``."""
     accumulation = spec.config.grad_accumulation_steps(world_size)
     batches = synthetic_micro_batches(spec.config, accumulation, rank_seed)
+    if spec.kind.startswith("switched:"):
+        switches = {} if switches is None else switches
+        if "engine" not in switches:
+            switches["engine"] = SchemeSwitch(EngineRunner("lns engine", spec.config, batches, device))
+        return switches["engine"].as_scheme(spec.name, spec.kind.removeprefix("switched:"))
     if spec.kind == "engine":
         return EngineRunner(spec.name, spec.config, batches, device)
     if spec.kind == "model":
@@ -266,20 +288,21 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
     specs = runner_specs(args, config, schemes, world_size, notes)
 
     runners: list[tuple[RunnerSpec, StepRunner]] = []
+    switches: dict[str, SchemeSwitch] = {}
     memory = None
     for index, spec in enumerate(specs):
         reset_peak(device)
         tracker = tensor_tracker(device) if index == 0 else None
         with tracker or contextlib.nullcontext():  # the first runner's build and warm-up steps only: the timed steps run untracked
             try:
-                runner = build_runner(spec, world_size, args.seed + rank, device)
+                runner = build_runner(spec, world_size, args.seed + rank, device, switches)
             except BaselineUnavailable as error:
                 notes.append(f"{spec.name} skipped: {error}")
                 continue
             for _ in range(args.warmup):
                 runner.step()
         if index == 0:
-            memory = memory_report(spec.config, world_size, device, spec.kind, peak_memory(device, tracker),
+            memory = memory_report(spec.config, world_size, device, runner.kind, peak_memory(device, tracker),
                                    warmup_steps=args.warmup)
         runners.append((spec, runner))
     timed = time_interleaved([runner for _, runner in runners], args.steps, deadline)
@@ -299,7 +322,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         timing = summarize(times)
         rate = throughput(timing.median, config.tokens_per_step, flops, world_size, peak.tflops)
         results.append({"name": runner.name, "kind": runner.kind,
-                        "norm_scheme": NormScheme(spec.config.model.norm_scheme).value,
+                        "norm_scheme": getattr(runner, "scheme", None) or NormScheme(spec.config.model.norm_scheme).value,
                         "step_time_s": timing.to_dict(), "throughput": rate.to_dict(),
                         "cpu_time_s": summarize(cpu_times).to_dict() if on_cpu else None,
                         "breakdown_s": median_phases(split), "last_loss": loss})

@@ -170,6 +170,53 @@ class EngineRunner(StepRunner):
         return self.engine.train_step(self.micro_batches).loss
 
 
+SWITCHED_SCHEMES = ("lns", "pre_ln")
+"""The schemes one engine can be timed as (``SchemeSwitch``): they differ only in the pre-sublayer
+norms' output factor (``norm_schemes.block_layout``)."""
+
+
+class SchemeSwitch:
+    """One LNS engine timed as LNS and as Pre-LN: the two differ only in the pre-sublayer norms' output
+    factor, 1/√ℓ against 1, and a norm whose factor is 1 skips the multiply, as a Pre-LN model's does. So
+    switching the factors between steps times both code paths on the same weights, memory and allocator
+    state, and the pair's step-time ratio is the factor's cost alone (the weights train as neither
+    scheme: a benchmark's numbers, not a model). Eager only: a compiled layer specialises on the
+    factor."""
+
+    def __init__(self, runner: EngineRunner) -> None:
+        from lnstrain.model.norms import LayerNorm, RMSNorm
+
+        self.runner = runner
+        self.lns_factors = [(norm, norm.output_scale) for norm in runner.engine.module.modules()
+                            if isinstance(norm, (RMSNorm, LayerNorm)) and norm.output_scale != 1.0]
+        if not self.lns_factors:
+            raise ValueError("the engine's model has no norm with an LNS factor: build it with norm_scheme lns")
+
+    def set_scheme(self, scheme: str) -> None:
+        if scheme not in SWITCHED_SCHEMES:
+            raise ValueError(f"scheme {scheme!r}: one engine switches between {SWITCHED_SCHEMES} only")
+        for norm, factor in self.lns_factors:
+            norm.output_scale = factor if scheme == "lns" else 1.0
+
+    def as_scheme(self, name: str, scheme: str) -> StepRunner:
+        return SwitchedRunner(name, self, scheme)
+
+
+class SwitchedRunner(StepRunner):
+    """A ``SchemeSwitch``'s engine stepped as one scheme."""
+
+    kind = "engine"
+
+    def __init__(self, name: str, switch: SchemeSwitch, scheme: str) -> None:
+        super().__init__(name, switch.runner.device)
+        self.switch = switch
+        self.scheme = scheme
+
+    def step(self) -> float:
+        self.switch.set_scheme(self.scheme)
+        return self.switch.runner.step()
+
+
 @dataclass(frozen=True)
 class RunnerSpec:
     """A runner to build: its kind (``engine``, ``model``, ``hf``) and the config it runs."""
