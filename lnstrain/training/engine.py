@@ -34,6 +34,7 @@ from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_nam
 from lnstrain.model.build import build_model
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.training.bf16_accumulation import fuse_gradient_cast
 from lnstrain.training.batches import MicroBatch, weigh_micro_batches
 from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
@@ -113,6 +114,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size))
+    fuse_gradient_cast(engine.optimizer)
     logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
                 groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
                 config.precision.dtype, engine.gradient_accumulation_steps())

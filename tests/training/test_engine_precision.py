@@ -150,15 +150,24 @@ def test_bf16_engines_build_and_train_under_zero_0_1_2():
 
 def _accumulation_worker(rank: int, world_size: int) -> dict:
     """BF16_Optimizer at ZeRO 1, 4 micro-batches per step: fp32 accumulation in backward (the default)
-    and after each backward (DeepSpeed's default, asked for in the deepspeed: section)."""
+    and after each backward (DeepSpeed's default, asked for in the deepspeed: section), both with
+    lnstrain's one-kernel gradient add, and in backward with DeepSpeed's own cast-then-add."""
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.training.engine import build_engine
 
     torch.set_num_threads(1)
+    from lnstrain.training.bf16_accumulation import _add_bf16_gradient
+
     results = {}
-    for name, section in (("in_backward", {}), ("after_backward", {"bf16": {"immediate_grad_update": False}})):
+    for name, section, deepspeed_add in (("in_backward", {}, False),
+                                         ("after_backward", {"bf16": {"immediate_grad_update": False}}, False),
+                                         ("deepspeed_cast_then_add", {}, True)):
         config = dataclasses.replace(_config(zero_stage=1), deepspeed=section)
         engine = build_engine(config, ParallelGroups.build(1, 1, False))
+        optimizer = engine._deepspeed.optimizer
+        fused = getattr(optimizer._update_hp_grad, "__func__", None) is _add_bf16_gradient
+        if deepspeed_add:
+            del optimizer._update_hp_grad  # DeepSpeed's own method again: a cast into a new fp32 tensor, then the add
         held = []  # bf16 gradients alive once the last backward is done
 
         def count_bf16_grads():
@@ -170,7 +179,7 @@ def _accumulation_worker(rank: int, world_size: int) -> dict:
             "losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
             "masters": [p.detach().clone() for group in engine.base_optimizer.param_groups for p in group["params"]],
             "weights": [p.detach().float().clone() for p in engine.module.parameters()],
-            "bf16_grads_held": held, "parameters": len(list(engine.module.parameters())),
+            "bf16_grads_held": held, "parameters": len(list(engine.module.parameters())), "fused": fused,
         }
     return results
 
@@ -180,9 +189,11 @@ def test_bf16_accumulation_in_backward_changes_no_number():
     (results,) = run_distributed(_accumulation_worker, 1, timeout_s=600)
     new, old = results["in_backward"], results["after_backward"]
     assert new["optimizer"] == old["optimizer"] == "BF16_Optimizer"
-    assert new["losses"] == old["losses"] and new["grad_norms"] == old["grad_norms"]  # bitwise
-    for a, b in zip(new["masters"] + new["weights"], old["masters"] + old["weights"], strict=True):
-        assert torch.equal(a, b)
+    assert new["fused"] and old["fused"]  # lnstrain's one-kernel add of the bf16 gradient into fp32
+    for other in (old, results["deepspeed_cast_then_add"]):
+        assert new["losses"] == other["losses"] and new["grad_norms"] == other["grad_norms"]  # bitwise
+        for a, b in zip(new["masters"] + new["weights"], other["masters"] + other["weights"], strict=True):
+            assert torch.equal(a, b)
     # each bf16 gradient is dropped once added to the fp32 buffer, instead of held to the end of backward
     assert new["bf16_grads_held"] == [0] * STEPS and old["bf16_grads_held"] == [old["parameters"]] * STEPS
 
