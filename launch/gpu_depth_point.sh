@@ -31,10 +31,16 @@ mkdir -p "$out"
 log="$out/depth_point.log"
 exec > >(tee -a "$log") 2>&1
 
-for needed in depth_study/data/train.bin depth_study/data/valid.bin depth_study/tokenizer/docstrings.model; do
-    if [ ! -f "$needed" ]; then
-        echo "gpu_depth_point: $needed is missing; build it here with: bash launch/depth_study.sh data," \
-             "then carry depth_study/data and depth_study/tokenizer" >&2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+needed=$("$PYTHON" -c "
+import sys
+from lnstrain.study.spec import load_study
+spec = load_study(sys.argv[1]).spec
+print(spec.data_prefix + '.bin', (spec.depth.data + '.bin') if spec.depth else '', spec.tokenizer)" "$STUDY") || exit 2
+for file in $needed; do
+    if [ ! -f "$file" ]; then
+        echo "gpu_depth_point: $file is missing (named by $STUDY); for the depth-width study build it here with" \
+             "bash launch/depth_study.sh data, then carry depth_study/data and depth_study/tokenizer" >&2
         exit 2
     fi
 done
@@ -43,7 +49,6 @@ if ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
     exports=$(PYTHON="$PYTHON" bash launch/install_wheelhouse.sh .whl) || exit 2
     eval "$exports"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import torch; print('== torch', torch.__version__, 'on', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'the CPU')"
 
 runs_dir=$("$PYTHON" -c "import sys; from lnstrain.study.spec import load_study; print(load_study(sys.argv[1]).output_dir)" "$STUDY") || exit 2
