@@ -42,7 +42,7 @@ from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak, te
 from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
 from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
-                                       shape)
+                                       shape, triton_kernels)
 from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRunner, RunnerSpec,  # noqa: E402
                                         SchemeSwitch, StepRunner, synthetic_micro_batches, with_norm_scheme)
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         "runners": results,
         "comparisons": comparisons,
         "memory": memory,
+        "triton_kernels": triton_kernels(device, config.precision.dtype),
         "notes": notes,
     }
     if args.profile_steps and profile_fits:

@@ -148,6 +148,10 @@ def throughput_rows(doc: dict[str, Any]) -> list[Row]:
         mfu = rate.get("mfu")
         measured = (f"{rate['tokens_per_s']:,.0f} tok/s, {rate['tflops_per_device']:.0f} TFLOP/s, "
                     + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (no peak for this device)"))
+        kernels = report.get("triton_kernels")
+        if kernels:
+            measured += "; Triton kernels " + ", ".join(f"{kernel} {'used' if used else 'NOT used'}"
+                                                        for kernel, used in kernels.items())
         status = "info" if name == "1b_paper_shape" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
         rows.append(Row(figure, measured, goal, status, name))
     return rows

@@ -69,6 +69,19 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
     }
 
 
+def triton_kernels(device: torch.device, dtype_name: str) -> dict[str, bool] | None:
+    """Which of lnstrain's Triton kernels the steps ran on ``device`` in ``dtype_name`` ("bf16", "fp16"):
+    each is used only after its once-per-process check against the eager ops passed (the checks' cached
+    answers). None where none can run: no Triton, not CUDA, or fp32."""
+    from lnstrain.model import kernels, rotary, triton_common
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name)
+    if triton_common.triton is None or device.type != "cuda" or dtype is None:
+        return None
+    return {"rotary": rotary.kernel_matches_eager(device, dtype),
+            "swiglu": kernels.swiglu_kernel_matches_eager(device, dtype)}
+
+
 def shape(config: Config, world_size: int, device_type: str) -> dict[str, Any]:
     model, train = config.model, config.train
     return {
@@ -129,6 +142,9 @@ def format_report(doc: dict[str, Any]) -> str:
         ratio = mem["estimate_over_measured"]
         lines.append(f"memory: measured {measured / 2**30:.2f} GiB ({kind}), estimate {mem['estimated_bytes'] / 2**30:.2f} GiB"
                      + (f" (estimate/measured {ratio:.3f})" if ratio is not None else f" ({mem['note']})"))
+    if doc.get("triton_kernels") is not None:
+        lines.append("Triton kernels: " + ", ".join(f"{name} {'used' if used else 'not used (failed its check)'}"
+                                                    for name, used in doc["triton_kernels"].items()))
     if doc.get("profile"):
         lines += format_profile(doc["profile"])
     lines += [f"note: {note}" for note in doc.get("notes", [])]

@@ -7,15 +7,25 @@ Autograd's own graph of these ops keeps every intermediate its backward formulas
   in its own dtype and the fp32 reciprocal RMS per row, 2 bytes per element (bf16).
 * ``F.silu(gate) * up`` keeps ``silu(gate)`` beside ``gate`` and ``up``; ``swiglu`` here recomputes it
   in backward (one elementwise pass), as Megatron-LM's fused SwiGLU does, so the MLP keeps 6 instead
-  of 8 bytes per FFN element (bf16). Its forward and gradients are bitwise autograd's.
+  of 8 bytes per FFN element (bf16). Its forward and gradients are bitwise autograd's. On CUDA with
+  Triton, in bf16 or fp16, one kernel each way (``swiglu_kernel``) does its elementwise work in one
+  pass; it is used on a device and dtype only after it has given the eager ops' bits there on a test
+  case (once per process), and the eager ops run otherwise, with a warning.
 
-Both are plain torch ops inside, so ``torch.compile`` traces and fuses them like any other code.
+Under ``torch.compile`` both are plain torch ops, which inductor traces and fuses like any other code.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
+
+from lnstrain.model import swiglu_kernel
+
+logger = logging.getLogger(__name__)
 
 
 def _opmath(t: torch.Tensor) -> torch.Tensor:
@@ -66,18 +76,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float = 1
     return _RMSNorm.apply(x, weight, eps, float(scale))
 
 
+def _swiglu_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _swiglu_backward_eager(grad_out: torch.Tensor, gate: torch.Tensor,
+                           up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_up = grad_out * F.silu(gate)
+    grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
+    return grad_gate, grad_up
+
+
+def _use_swiglu_kernel(*tensors: torch.Tensor) -> bool:
+    return (not torch.compiler.is_compiling() and swiglu_kernel.supports(*tensors)
+            and swiglu_kernel_matches_eager(tensors[0].device, tensors[0].dtype))
+
+
+def _check_values(generator: torch.Generator) -> torch.Tensor:
+    """20,499 values, shuffled: normal at scales from 1e-6 to 30, and 0, -0, 100, -100."""
+    scales = torch.tensor([1e-6, 0.1, 1.0, 4.0, 30.0]).repeat_interleave(4099)
+    values = torch.cat([torch.randn(scales.numel(), generator=generator) * scales,
+                        torch.tensor([0.0, -0.0, 100.0, -100.0])])
+    return values[torch.randperm(values.numel(), generator=generator)]
+
+
+@functools.lru_cache(maxsize=None)
+def swiglu_kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton SwiGLU kernels build on ``device`` and give the eager ops' bits in ``dtype``,
+    forward and backward, on values from -100 to 100 (exp overflowing) down to 1e-6, and signed zeros."""
+    generator = torch.Generator().manual_seed(0)
+    gate, up, grad_out = (_check_values(generator).to(device, dtype) for _ in range(3))
+    try:
+        by_kernel = (swiglu_kernel.forward(gate, up), *swiglu_kernel.backward(grad_out, gate, up))
+    except Exception as error:  # a Triton or driver failure of any kind: the eager ops still work
+        logger.warning("the Triton SwiGLU kernels failed on %s (%s: %s); using eager ops", device,
+                       type(error).__name__, error)
+        return False
+    eager = (_swiglu_eager(gate, up), *_swiglu_backward_eager(grad_out, gate, up))
+    differing = [int((a != b).sum()) for a, b in zip(by_kernel, eager)]
+    if not any(differing):
+        return True
+    logger.warning("the Triton SwiGLU kernels' %s results on %s differ from the eager ops' (%s of %d elements "
+                   "in out, grad gate, grad up); using eager ops", dtype, device, differing, gate.numel())
+    return False
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        if _use_swiglu_kernel(gate, up):
+            return swiglu_kernel.forward(gate, up)
+        return _swiglu_eager(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        grad_up = grad_out * F.silu(gate)
-        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
-        return grad_gate, grad_up
+        if _use_swiglu_kernel(grad_out, gate, up):
+            return swiglu_kernel.backward(grad_out, gate, up)
+        return _swiglu_backward_eager(grad_out, gate, up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

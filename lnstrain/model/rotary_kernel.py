@@ -11,9 +11,8 @@ rounded to the 16-bit dtype where eager stores it (round to nearest even), in ea
     forward   y1 = r(r(x1·cos1) - r(x2·sin1))    y2 = r(r(x2·cos2) + r(x1·sin2))
     backward  g1 = r(r(d1·cos1) + r(d2·sin2))    g2 = r(r(d2·cos2) - r(d1·sin1))
 
-(x = [x1, x2] the halves of a head, r the rounding). bf16 is rounded with integer arithmetic rather
-than a float conversion so that Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose bf16
-conversion truncates, computes what the GPU does: the tests run the kernel there.
+(x = [x1, x2] the halves of a head, r the rounding, ``triton_common.round_like_torch``, which Triton's
+CPU interpreter (``TRITON_INTERPRET=1``) computes as the GPU does: the tests run the kernel there).
 
 Triton is optional: ``supports`` is False without it, and ``rotary`` then runs the eager ops.
 """
@@ -22,12 +21,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional (it comes with CUDA builds of torch)
-    triton = None
-    tl = None
+from lnstrain.model.triton_common import interpreting, tl, triton
+from lnstrain.model.triton_common import round_like_torch as _round
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_BLOCK_HEADS = 32
@@ -37,14 +32,8 @@ _MAX_BLOCK_HEADS = 32
 def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether the kernel can run on ``x`` [batch, seq, heads, head_dim] with tables ``cos`` [seq, 1, head_dim]:
     Triton importable, a CUDA tensor (or the interpreter), a 16-bit dtype, unit stride along head_dim."""
-    return (triton is not None and (x.is_cuda or _interpreting()) and x.dtype in _DTYPES and cos.dtype == x.dtype
+    return (triton is not None and (x.is_cuda or interpreting()) and x.dtype in _DTYPES and cos.dtype == x.dtype
             and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and cos.stride(-1) == 1)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def rotate_heads(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -67,15 +56,6 @@ def rotate_heads(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, 
 
 
 if triton is not None:
-    @triton.jit
-    def _round(value, BF16: tl.constexpr):
-        """fp32 ``value`` rounded to the nearest bf16 (ties to even) or fp16, kept in fp32."""
-        if BF16:
-            bits = value.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))
-        return value.to(tl.float16).to(tl.float32)
-
     @triton.jit
     def _rotate_kernel(source, source_b, source_s, source_h, target, target_b, target_s, target_h,
                        cos, sin, table_s, seq, heads, rotated_heads,

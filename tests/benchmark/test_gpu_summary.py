@@ -93,6 +93,14 @@ def test_every_goal_met_reads_met():
     assert "reserved 32.40 GiB" in rows["1b_eager"][1].measured
 
 
+def test_the_triton_kernels_a_run_used_are_read():
+    doc = full_document()
+    doc["items"]["1b_eager"]["report"]["triton_kernels"] = {"rotary": True, "swiglu": False}
+    measured = rows_by_source(doc)["1b_eager"][0].measured
+    assert measured.endswith("; Triton kernels rotary used, swiglu NOT used")
+    assert "Triton" not in rows_by_source(full_document())["1b_eager"][0].measured  # older reports: no such key
+
+
 @pytest.mark.parametrize("change, source, index", [
     (dict(mfu=0.45), "1b_eager", 0),
     (dict(hf_speedup=1.1), "1b_vs_hf_model", 0),

@@ -8,7 +8,8 @@
   (``kernels.rms_norm`` on the CPU), forward and backward against the plain formula in fp64;
 * AdamW built by ``build_optimizer`` is the fused kernel, and five steps of it match torch's
   single-tensor AdamW in fp64.
-* the Triton kernel of the fused q|k|v rotation gives eager's bits on the device, so training uses it.
+* the Triton kernels of the fused q|k|v rotation and of SwiGLU give eager's bits on the device, so
+  training uses them, and the benchmark's report says so.
 
 Tolerances are relative L2 errors against fp64: bf16 arithmetic lands between 1e-3 and 1e-2 (8
 significant bits), fp32 far under 1e-5.
@@ -218,3 +219,18 @@ def test_the_triton_rotary_kernel_is_eagers_bitwise_and_used_on_the_device(devic
         pytest.skip("the Triton kernel runs on CUDA with Triton only")
     for dtype in (torch.bfloat16, torch.float16):
         assert kernel_matches_eager(device, dtype), dtype
+
+
+def test_the_triton_swiglu_kernels_are_eagers_bitwise_and_used_on_the_device(device):
+    """On CUDA with Triton, SwiGLU's kernels pass their own check (the eager ops' bits on 20,499 values
+    from 1e-6 to ±100) in bf16 and fp16, so training uses them; the benchmark's report lists both
+    kernels as used. The full comparison is tests/model/test_swiglu_kernel.py."""
+    from lnstrain.benchmark.report import triton_kernels
+    from lnstrain.model import kernels, swiglu_kernel
+
+    if device.type != "cuda" or swiglu_kernel.triton is None:
+        pytest.skip("the Triton kernels run on CUDA with Triton only")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kernels.swiglu_kernel_matches_eager(device, dtype), dtype
+    assert triton_kernels(device, "bf16") == {"rotary": True, "swiglu": True}
+    assert triton_kernels(device, "fp32") is None

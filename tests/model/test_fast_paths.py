@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
+from lnstrain.model import kernels, rotary_kernel, swiglu_kernel
 from lnstrain.model.norms import RMSNorm
-from lnstrain.model import rotary_kernel
 from lnstrain.model.rotary import RotaryEmbedding, kernel_matches_eager, rotate
 
 
@@ -65,6 +65,35 @@ def test_a_rotary_kernel_that_fails_its_check_is_not_used(failure, monkeypatch, 
         assert "rotating with eager ops" in caplog.text
     finally:
         kernel_matches_eager.cache_clear()
+
+
+@pytest.mark.parametrize("failure", ["wrong bits", "raises"])
+def test_swiglu_kernels_that_fail_their_check_are_not_used(failure, monkeypatch, caplog):
+    """Like the rotary kernel: SwiGLU kernels that give other bits than the eager ops (or do not build)
+    are never used; the forward and gradients are the eager ops', with a warning."""
+    def bad_forward(gate, up):
+        if failure == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return gate * up  # no silu
+
+    monkeypatch.setattr(swiglu_kernel, "supports", lambda *tensors: tensors[0].dtype == torch.bfloat16)
+    monkeypatch.setattr(swiglu_kernel, "forward", bad_forward)
+    monkeypatch.setattr(swiglu_kernel, "backward", lambda grad_out, gate, up: (grad_out * up, grad_out * gate))
+    kernels.swiglu_kernel_matches_eager.cache_clear()
+    try:
+        gate, up = (torch.randn(4, 96).to(torch.bfloat16).requires_grad_(True) for _ in range(2))
+        with caplog.at_level(logging.WARNING, logger="lnstrain.model.kernels"):
+            out = kernels.swiglu(gate, up)
+        out.backward(torch.ones_like(out))
+        plain_gate, plain_up = (t.detach().clone().requires_grad_(True) for t in (gate, up))
+        plain = torch.nn.functional.silu(plain_gate) * plain_up
+        plain.backward(torch.ones_like(plain))
+        assert torch.equal(out, plain)
+        assert torch.equal(gate.grad, plain_gate.grad) and torch.equal(up.grad, plain_up.grad)
+        assert not kernels.swiglu_kernel_matches_eager(gate.device, torch.bfloat16)
+        assert "using eager ops" in caplog.text
+    finally:
+        kernels.swiglu_kernel_matches_eager.cache_clear()
 
 
 def test_rotation_is_rotate_half():
