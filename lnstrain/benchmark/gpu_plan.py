@@ -69,8 +69,10 @@ PLAN: tuple[Item, ...] = (
          ("--config", CONFIG_1B, *_bench(*_EAGER, "--warmup", "2", "--steps", "8", "--profile-steps", "1")),
          needs_engine=True),
     Item("1b_compiled", 1, 150, "benchmark", "(b)",
-         "the same, every transformer layer compiled (torch.compile, inductor): the first step compiles",
-         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--warmup", "2", "--steps", "8")),
+         "the same, every transformer layer compiled (torch.compile, inductor): the first step compiles; a "
+         "one-step kernel profile if time is left",
+         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--warmup", "2", "--steps", "8",
+                                         "--profile-steps", "1")),
          needs_engine=True),
     Item("core_tests", 1, 110, "tests", "(d)",
          "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, bf16 GPU against fp32 "
