@@ -225,7 +225,8 @@ class Check:
             record["note"] = after_report_note(code, allowance)
             record["engine_step"] = {"device": report["environment"]["device_name"],
                                      "device_type": report["environment"]["device_type"], "seconds": seconds,
-                                     "loss": report["runners"][0]["last_loss"]}
+                                     "loss": report["runners"][0]["last_loss"],
+                                     "triton_kernels": report.get("triton_kernels")}
         else:
             last = next((line for line in reversed(tail.splitlines()) if line.strip()), f"exit {code}")
             record["engine_step"] = {"error": last, "exit_code": code}

@@ -101,11 +101,18 @@ def environment_rows(doc: dict[str, Any]) -> list[Row]:
     parts = [f"install {install.get('status', '-')}" + (f" in {install['seconds']:.0f} s" if install.get("seconds") else "")]
     if step.get("loss") is not None:
         parts.append(f"engine step on {step.get('device', '?')}: loss {step['loss']:.3f}")
+        if step.get("triton_kernels"):
+            parts.append(_kernels_used(step["triton_kernels"]))
     elif step:
         parts.append(f"engine step failed: {step.get('error', '?')[:160]}")
     parts.append(f"{item.get('duration_s', 0):.0f} s in all")
     met = item.get("status") == "done" and item.get("duration_s", float("inf")) < ENVIRONMENT_SECONDS_GOAL
     return [Row(figure, "; ".join(parts), goal, _status(met), "environment")]
+
+
+def _kernels_used(kernels: dict[str, bool]) -> str:
+    """Which Triton kernels a benchmark's steps ran (each passed its check against eager on the device)."""
+    return "Triton kernels " + ", ".join(f"{kernel} {'used' if used else 'NOT used'}" for kernel, used in kernels.items())
 
 
 def _status(met: bool) -> str:
@@ -148,10 +155,8 @@ def throughput_rows(doc: dict[str, Any]) -> list[Row]:
         mfu = rate.get("mfu")
         measured = (f"{rate['tokens_per_s']:,.0f} tok/s, {rate['tflops_per_device']:.0f} TFLOP/s, "
                     + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (no peak for this device)"))
-        kernels = report.get("triton_kernels")
-        if kernels:
-            measured += "; Triton kernels " + ", ".join(f"{kernel} {'used' if used else 'NOT used'}"
-                                                        for kernel, used in kernels.items())
+        if report.get("triton_kernels"):
+            measured += "; " + _kernels_used(report["triton_kernels"])
         status = "info" if name == "1b_paper_shape" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
         rows.append(Row(figure, measured, goal, status, name))
     return rows

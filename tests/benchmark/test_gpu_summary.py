@@ -99,6 +99,8 @@ def test_the_triton_kernels_a_run_used_are_read():
     measured = rows_by_source(doc)["1b_eager"][0].measured
     assert measured.endswith("; Triton kernels rotary used, swiglu NOT used")
     assert "Triton" not in rows_by_source(full_document())["1b_eager"][0].measured  # older reports: no such key
+    doc["items"]["environment"]["engine_step"]["triton_kernels"] = {"rotary": True, "swiglu": True}
+    assert "loss 5.550; Triton kernels rotary used, swiglu used;" in rows_by_source(doc)["environment"][0].measured
 
 
 @pytest.mark.parametrize("change, source, index", [
