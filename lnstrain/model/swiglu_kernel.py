@@ -35,9 +35,9 @@ _BLOCK = 1024
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can run on ``tensors`` (gate, up and, backward, the output's gradient):
-    Triton importable, CUDA tensors (or the interpreter), one 16-bit dtype, one shape, contiguous."""
+    Triton importable, CUDA tensors (or the interpreter), one 16-bit dtype, one shape, contiguous, not empty."""
     first = tensors[0]
-    return (triton is not None and (first.is_cuda or interpreting()) and first.dtype in _DTYPES
+    return (triton is not None and (first.is_cuda or interpreting()) and first.dtype in _DTYPES and first.numel() > 0
             and all(t.dtype == first.dtype and t.shape == first.shape and t.device == first.device
                     and t.is_contiguous() for t in tensors))
 

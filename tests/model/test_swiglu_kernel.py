@@ -67,3 +67,4 @@ def test_swiglu_runs_the_kernels_when_their_check_passes(monkeypatch):
     for leaf, expected in zip(leaves, swiglu_kernel.backward(grad_out, gate, up), strict=True):
         assert torch.equal(leaf.grad, expected)
     assert not swiglu_kernel.supports(gate, up.t().contiguous().t())  # a strided operand: the eager ops
+    assert not swiglu_kernel.supports(gate[:0], up[:0])  # nothing to launch
