@@ -116,8 +116,14 @@ def swiglu_kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> boo
     differing = [int((a != b).sum()) for a, b in zip(by_kernel, eager)]
     if not any(differing):
         return True
+    examples = []
+    for name, ours, reference in zip(("out", "grad gate", "grad up"), by_kernel, eager):
+        for at in (ours != reference).nonzero().flatten()[:2].tolist():
+            examples.append(f"{name} at gate={gate[at].item():.9g} up={up[at].item():.9g} grad={grad_out[at].item():.9g}: "
+                            f"kernel {ours[at].item():.9g}, eager {reference[at].item():.9g}")
     logger.warning("the Triton SwiGLU kernels' %s results on %s differ from the eager ops' (%s of %d elements "
-                   "in out, grad gate, grad up); using eager ops", dtype, device, differing, gate.numel())
+                   "in out, grad gate, grad up; %s); using eager ops", dtype, device, differing, gate.numel(),
+                   "; ".join(examples))
     return False
 
 
