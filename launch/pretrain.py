@@ -15,7 +15,9 @@ whose pickle would run code, no checkpoint whose files verify). A save that cann
 no permission, on any rank) stops every rank with exit 1 and one message naming the rank, the path
 and the free space. SIGTERM, SIGUSR1, a first Ctrl-C (or train.exit_after_minutes) make every rank
 save after the same step and exit 75, with a line naming the command that resumes; a second Ctrl-C
-stops at once (exit 130). Rerunning a finished run says so and changes nothing.
+stops at once (exit 130). SIGUSR2 makes a rank write every thread's Python stack to its stderr and go
+on (train.stack_dump_after_minutes: also after that long in one step). Rerunning a finished run says so
+and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
 be resumed (the same command continues), 130 interrupted; see lnstrain/training/outcome.py.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other

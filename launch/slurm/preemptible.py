@@ -13,6 +13,10 @@ save a checkpoint and exit 75 (stopped to be resumed), the launcher passes that 
 wrapper. Its exit status is the command's. A second SIGINT (Ctrl-C pressed again) stops everything at
 once: SIGKILL to the group, exit 130; the last complete checkpoint stays (saves survive any kill).
 
+SIGUSR2 is relayed as it is: the ranks write every thread's Python stack to their stderr and go on
+(lnstrain/training/stack_dumps.py), while the launchers ignore it, as they ignore SIGUSR1; so
+``scancel --signal=USR2 <job>`` or ``kill -USR2 <wrapper pid>`` shows where every rank is.
+
 On Linux the wrapper also adopts orphaned descendants (PR_SET_CHILD_SUBREAPER) and waits for them:
 when a job is cancelled or requeued, SIGTERM kills the ``deepspeed`` runner at once while the launcher
 below it lingers; adopted, the launcher and its ranks stay in the job's process tree, where SLURM's
@@ -30,6 +34,7 @@ import sys
 import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+RELAYED = signal.SIGUSR2  # every rank writes its stacks and goes on
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 ADOPTED_GRACE_S = 120  # how long adopted processes may outlive the command before they are killed
@@ -71,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the launch command after --")
 
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the command (and kept by the launchers)
+    for ignored in (signal.SIGUSR1, RELAYED):  # inherited by the command (and kept by the launchers)
+        signal.signal(ignored, signal.SIG_IGN)
     adopting = adopt_orphans()
     child = subprocess.Popen(command, start_new_session=True)
     received: list[int] = []
@@ -95,8 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         except ProcessLookupError:
             pass
 
+    def relay(signum: int, _frame) -> None:
+        print(f"preemptible: got {signal.Signals(signum).name}; every rank writes its stacks to its stderr",
+              file=sys.stderr, flush=True)
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.signal(RELAYED, relay)
     returncode = child.wait()
     if adopting:
         reap_adopted(child.pid)

@@ -134,6 +134,11 @@ class TrainConfig:
         collective_timeout_minutes: a collective that waits this long (a peer hung, or its machine
             vanished without closing its connections) raises, so the job exits instead of hanging; a
             peer process that dies is noticed at once (gloo and NCCL see its connections close).
+        stack_dump_after_minutes: an iteration of the training loop (step, evaluation, save) that
+            takes this long writes every thread's Python stack to each rank's stderr, and again each
+            time as long again passes (``stack_dumps.py``); below ``collective_timeout_minutes``, a
+            hang shows where each rank waits before the timeout ends the job. Unset: only on SIGUSR2
+            and fatal signals.
         skip_sample_ranges: ``[start, end)`` ranges of consumed samples never trained on, e.g.
             ``[[4096, 8192]]`` to skip known-bad data (the data position jumps over them).
     """
@@ -159,6 +164,7 @@ class TrainConfig:
     spike_zscore: float = 6.0
     skip_sample_ranges: list[list[int]] = field(default_factory=list)
     collective_timeout_minutes: float = 10.0
+    stack_dump_after_minutes: float | None = None
 
     def validate(self) -> list[str]:
         problems = []
@@ -191,6 +197,9 @@ class TrainConfig:
             problems.append(f"train.spike_zscore must be > 0 (got {self.spike_zscore})")
         if self.collective_timeout_minutes <= 0:
             problems.append(f"train.collective_timeout_minutes must be > 0 (got {self.collective_timeout_minutes})")
+        if self.stack_dump_after_minutes is not None and self.stack_dump_after_minutes <= 0:
+            problems.append("train.stack_dump_after_minutes must be > 0, or unset for no timed dumps "
+                            f"(got {self.stack_dump_after_minutes})")
         for entry in self.skip_sample_ranges:
             if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
                 problems.append(f"train.skip_sample_ranges: {entry} is not a [start, end) range with "

@@ -44,6 +44,7 @@ from lnstrain.training.recovery import NonFiniteRecovery
 from lnstrain.training.resume import restore_or_start
 from lnstrain.training.run_lock import hold_run_directories, lock_directories
 from lnstrain.training.signals import StopController
+from lnstrain.training.stack_dumps import StackDumps
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
@@ -301,6 +302,7 @@ class Trainer:
         result = TrainingResult(position, resumed_from=str(resumed_from) if resumed_from else None)
         stop = StopController(config.train.exit_after_minutes, config.checkpoint.interval_minutes,
                               self.engine.device, started=self.started).install()
+        stacks = StackDumps(config.train.stack_dump_after_minutes).install()
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
         logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
                     position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
@@ -313,6 +315,7 @@ class Trainer:
                 return result
             self._open_sinks(position)
             while position.step < self.total_steps:
+                stacks.iteration_started()
                 if self.recovery.must_skip(position):
                     self.recovery.skip_step(position)
                     seconds, nonfinite = 0.0, False
@@ -365,6 +368,7 @@ class Trainer:
             self._write_final_metrics(result)
             return result
         finally:
+            stacks.uninstall()
             stop.uninstall()
             self.metrics.close()
             if self.guard is not None:

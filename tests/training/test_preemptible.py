@@ -85,3 +85,40 @@ def test_a_second_ctrl_c_to_the_wrapper_stops_the_whole_command_at_once():
     while os.path.exists(f"/proc/{command_pid}") and time.monotonic() < deadline:  # killed, then reaped by init
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{command_pid}")
+
+
+DUMPING_RANK = """
+import faulthandler, signal, sys, time
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+faulthandler.register(signal.SIGUSR2, file=sys.stdout, all_threads=True)  # as lnstrain's stack dumps do
+print("rank ready", flush=True)
+def a_rank_at_work():
+    while not stop:
+        time.sleep(0.05)
+a_rank_at_work()
+print("rank saved and stopped", flush=True)
+"""
+
+
+def test_usr2_to_the_wrapper_makes_the_rank_write_its_stacks_and_the_launcher_survives(tmp_path):
+    """The fake launcher does not handle SIGUSR2 (its default action would kill it): it inherits the
+    wrapper's SIG_IGN, and the rank, which registers its own handler, writes its stack and goes on."""
+    launcher = tmp_path / "fake_launcher.py"
+    launcher.write_text(FAKE_LAUNCHER.format(rank=DUMPING_RANK))
+    job = subprocess.Popen([sys.executable, str(REPO / "launch" / "slurm" / "preemptible.py"), "--", sys.executable,
+                            str(launcher)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert job.stdout.readline().strip() == "rank ready"
+        time.sleep(0.2)
+        os.kill(job.pid, signal.SIGUSR2)  # what scancel --signal=USR2 does to the job step's task
+        time.sleep(0.5)
+        os.kill(job.pid, signal.SIGUSR1)  # then save and stop: the launcher must still be there
+        output = job.communicate(timeout=30)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "every rank writes its stacks" in output
+    assert "most recent call first" in output and "a_rank_at_work" in output, output
+    assert "rank saved and stopped" in output and "launcher: rank exited 0" in output, output
+    assert job.returncode == 0, output

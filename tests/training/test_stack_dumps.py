@@ -1,0 +1,96 @@
+"""Stack dumps (``lnstrain.training.stack_dumps``): SIGUSR2 and a slow loop iteration write every
+thread's Python stack to the rank's stderr, and training goes on unchanged."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lnstrain.config.run_config import load_config
+from lnstrain.testing.distributed import run_distributed
+from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
+from lnstrain.training.stack_dumps import DUMP_SIGNAL, StackDumps
+
+HEADER = "(most recent call first)"
+
+
+def _a_waiting_thread(release: threading.Event) -> None:
+    release.wait(30)
+
+
+def _a_slow_iteration(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_sigusr2_writes_the_stack_of_every_thread_and_the_process_goes_on(tmp_path):
+    release = threading.Event()
+    helper = threading.Thread(target=_a_waiting_thread, args=(release,), daemon=True)
+    helper.start()
+    with open(tmp_path / "stderr.txt", "w+") as stream:
+        dumps = StackDumps(after_minutes=None, stream=stream).install()
+        try:
+            os.kill(os.getpid(), DUMP_SIGNAL)  # would end the process without the handler
+            time.sleep(0.1)  # the dump is written by the signal handler, in C, on its own
+        finally:
+            dumps.uninstall()
+            release.set()
+        stream.seek(0)
+        text = stream.read()
+    assert text.count(HEADER) >= 2, text  # this thread and the helper
+    assert "_a_waiting_thread" in text and "test_sigusr2_writes_the_stack_of_every_thread" in text
+    assert not faulthandler.unregister(DUMP_SIGNAL)  # uninstall took the handler away again
+
+
+def test_a_slow_iteration_writes_stacks_until_the_next_one_starts(tmp_path):
+    with open(tmp_path / "stderr.txt", "w+") as stream:
+        dumps = StackDumps(after_minutes=0.2 / 60, stream=stream).install()
+        try:
+            dumps.iteration_started()
+            _a_slow_iteration(0.7)  # the timer fires after 0.2 s, and again every 0.2 s
+            dumps.iteration_started()  # re-armed: the next dump is 0.2 s away again
+        finally:
+            dumps.uninstall()
+        stream.flush()
+        written = (tmp_path / "stderr.txt").read_text()
+        time.sleep(0.5)
+        assert (tmp_path / "stderr.txt").read_text() == written  # uninstalled: no more dumps
+    assert written.count(HEADER) >= 1 and "_a_slow_iteration" in written, written
+
+
+def test_stack_dump_after_minutes_must_be_positive():
+    from lnstrain.training.config import TrainConfig
+
+    problems = TrainConfig(steps=1, stack_dump_after_minutes=0).validate()
+    assert any("train.stack_dump_after_minutes must be > 0" in p for p in problems), problems
+
+
+def train_and_read_stderr(rank: int, world_size: int, corpus, root: Path, after_minutes: float | None):
+    from lnstrain.training.trainer import pretrain
+
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / f"stderr_rank{rank}.txt"
+    descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(descriptor, 2)  # this rank's stderr, where the dumps go
+    overrides = tiny_run_overrides(corpus, root)
+    if after_minutes is not None:
+        overrides.append(f"train.stack_dump_after_minutes={after_minutes}")
+    result = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size))
+    return sorted(result.losses.items()), log.read_text(errors="replace")
+
+
+@pytest.mark.multirank
+def test_timed_dumps_show_each_rank_inside_the_training_loop_and_change_no_loss(tiny_corpus, tmp_path):
+    plain = run_distributed(train_and_read_stderr, 2, tiny_corpus, tmp_path / "plain", None, timeout_s=240)
+    dumped = run_distributed(train_and_read_stderr, 2, tiny_corpus, tmp_path / "dumped", 0.02 / 60,
+                             timeout_s=240)
+    for rank in (0, 1):
+        assert dumped[rank][0] == plain[rank][0]  # the same losses, bit for bit
+        assert HEADER not in plain[rank][1]
+        stacks = dumped[rank][1]
+        assert HEADER in stacks and "lnstrain/training/trainer.py" in stacks, stacks[-2000:]
