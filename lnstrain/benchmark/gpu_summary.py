@@ -102,7 +102,7 @@ def environment_rows(doc: dict[str, Any]) -> list[Row]:
     if step.get("loss") is not None:
         parts.append(f"engine step on {step.get('device', '?')}: loss {step['loss']:.3f}")
         if step.get("triton_kernels"):
-            parts.append(_kernels_used(step["triton_kernels"]))
+            parts.append(triton_kernels_line(step["triton_kernels"]))
     elif step:
         parts.append(f"engine step failed: {step.get('error', '?')[:160]}")
     parts.append(f"{item.get('duration_s', 0):.0f} s in all")
@@ -110,8 +110,9 @@ def environment_rows(doc: dict[str, Any]) -> list[Row]:
     return [Row(figure, "; ".join(parts), goal, _status(met), "environment")]
 
 
-def _kernels_used(kernels: dict[str, bool]) -> str:
-    """Which Triton kernels a benchmark's steps ran (each passed its check against eager on the device)."""
+def triton_kernels_line(kernels: dict[str, bool]) -> str:
+    """Which Triton kernels a benchmark's steps ran (each passed its check against eager on the device,
+    or was NOT used)."""
     return "Triton kernels " + ", ".join(f"{kernel} {'used' if used else 'NOT used'}" for kernel, used in kernels.items())
 
 
@@ -156,7 +157,7 @@ def throughput_rows(doc: dict[str, Any]) -> list[Row]:
         measured = (f"{rate['tokens_per_s']:,.0f} tok/s, {rate['tflops_per_device']:.0f} TFLOP/s, "
                     + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (no peak for this device)"))
         if report.get("triton_kernels"):
-            measured += "; " + _kernels_used(report["triton_kernels"])
+            measured += "; " + triton_kernels_line(report["triton_kernels"])
         status = "info" if name == "1b_paper_shape" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
         rows.append(Row(figure, measured, goal, status, name))
     return rows

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lnstrain.benchmark.gpu_summary import triton_kernels_line
 from lnstrain.benchmark.profile import format_profile
 from lnstrain.config.feasibility import compiles_layers
 from lnstrain.config.run_config import Config
@@ -143,8 +144,7 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"memory: measured {measured / 2**30:.2f} GiB ({kind}), estimate {mem['estimated_bytes'] / 2**30:.2f} GiB"
                      + (f" (estimate/measured {ratio:.3f})" if ratio is not None else f" ({mem['note']})"))
     if doc.get("triton_kernels") is not None:
-        lines.append("Triton kernels: " + ", ".join(f"{name} {'used' if used else 'not used (failed its check)'}"
-                                                    for name, used in doc["triton_kernels"].items()))
+        lines.append(triton_kernels_line(doc["triton_kernels"]))
     if doc.get("profile"):
         lines += format_profile(doc["profile"])
     lines += [f"note: {note}" for note in doc.get("notes", [])]
