@@ -8,8 +8,12 @@
   passes, until the next iteration starts. Set it below ``train.collective_timeout_minutes`` so that a
   hang shows which rank waits where before the timeout ends the job.
 
-Python's ``faulthandler`` does the writing, from C, so it works while the interpreter is stuck in a
-collective or holds the GIL in a kernel call.
+The first two use Python's ``faulthandler``, which writes from C inside the signal handler, so they
+work while the interpreter is stuck in a collective or holds the GIL in a kernel call. The timed dumps
+do not: ``faulthandler.dump_traceback_later`` reads the other threads' frames from a thread that holds
+no GIL, and crashes the process when a thread starts or ends meanwhile (the background checkpoint
+writer does, every save). A watch thread takes the GIL and reads ``sys._current_frames()`` instead; a
+rank waiting in a collective, in a data read or on a lock has released the GIL, so it still writes.
 """
 
 from __future__ import annotations
@@ -21,23 +25,81 @@ import os
 import signal
 import sys
 import threading
+import time
+import traceback
 from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
 DUMP_SIGNAL = signal.SIGUSR2
+WATCH_THREAD_NAME = "lnstrain-slow-iteration-watch"
+
+
+def every_thread_stack(skip_ident: int | None = None) -> str:
+    """The Python stack of each thread of this process, most recent call last, named as
+    ``threading`` names them."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip_ident:
+            continue
+        parts.append(f"Thread {names.get(ident, '(not started by threading)')} ({ident:#x}), most recent call last:\n")
+        parts.extend(traceback.format_stack(frame))
+    return "".join(parts)
+
+
+class _SlowIterationWatch:
+    """A daemon thread that logs every thread's stack once an iteration has run ``after_s`` seconds,
+    and again each ``after_s`` after that, until ``rearm`` says the next iteration started."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self._changed = threading.Condition()
+        self._iteration: tuple[int | None, float] | None = None  # (step, when it started)
+        self._next_dump_at: float | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name=WATCH_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def rearm(self, step: int | None) -> None:
+        now = time.monotonic()
+        with self._changed:
+            self._iteration = (step, now)
+            self._next_dump_at = now + self.after_s
+            self._changed.notify()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                while not self._closed and (self._next_dump_at is None or time.monotonic() < self._next_dump_at):
+                    wait_s = None if self._next_dump_at is None else self._next_dump_at - time.monotonic()
+                    self._changed.wait(wait_s)
+                if self._closed:
+                    return
+                step, started = self._iteration
+                self._next_dump_at += self.after_s
+            where = "this loop iteration" if step is None else f"the loop iteration of step {step}"
+            logger.warning("%s has run for %.2f min (train.stack_dump_after_minutes %g); the Python stack of "
+                           "every thread (pid %d):\n%s", where, (time.monotonic() - started) / 60, self.after_s / 60,
+                           os.getpid(), every_thread_stack(skip_ident=threading.get_ident()))
 
 
 class StackDumps:
     """Installs the three triggers for the length of a run (``install``/``uninstall``, which restores
-    what was there); ``iteration_started`` re-arms the slow-iteration timer."""
+    what was there); ``iteration_started`` re-arms the slow-iteration watch."""
 
     def __init__(self, after_minutes: float | None, stream: TextIO | None = None) -> None:
         self.after_s = None if after_minutes is None else 60.0 * after_minutes
         self.stream = stream
         self._enabled_here = False
         self._registered = False
-        self._armed = False
+        self._watch: _SlowIterationWatch | None = None
 
     def install(self) -> "StackDumps":
         stream = self.stream if self.stream is not None else sys.stderr
@@ -55,17 +117,18 @@ class StackDumps:
             timed = "" if self.after_s is None else f", and after {self.after_s / 60:g} minutes in one loop iteration"
             logger.info("each rank writes every thread's Python stack to its stderr on SIGUSR2 (kill -USR2 %d for "
                         "this one)%s", os.getpid(), timed)
+        if self.after_s is not None:
+            self._watch = _SlowIterationWatch(self.after_s)
         return self
 
-    def iteration_started(self) -> None:
-        if self.after_s is not None:
-            faulthandler.dump_traceback_later(self.after_s, repeat=True, file=self.stream)
-            self._armed = True
+    def iteration_started(self, step: int | None = None) -> None:
+        if self._watch is not None:
+            self._watch.rearm(step)
 
     def uninstall(self) -> None:
-        if self._armed:
-            faulthandler.cancel_dump_traceback_later()
-            self._armed = False
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._registered:
             faulthandler.unregister(DUMP_SIGNAL)
             self._registered = False

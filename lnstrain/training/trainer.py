@@ -315,7 +315,7 @@ class Trainer:
                 return result
             self._open_sinks(position)
             while position.step < self.total_steps:
-                stacks.iteration_started()
+                stacks.iteration_started(position.step + 1)
                 if self.recovery.must_skip(position):
                     self.recovery.skip_step(position)
                     seconds, nonfinite = 0.0, False
