@@ -23,11 +23,14 @@ import io
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import TextIO
+
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,20 @@ def every_thread_stack(skip_ident: int | None = None) -> str:
         parts.append(f"Thread {names.get(ident, '(not started by threading)')} ({ident:#x}), most recent call last:\n")
         parts.extend(traceback.format_stack(frame))
     return "".join(parts)
+
+
+def where_the_ranks_are() -> str:
+    """Each rank's PID by host, in rank order (a collective when the job is distributed: every rank
+    calls it), so that one line in rank 0's log says what to signal."""
+    here = (socket.gethostname(), os.getpid())
+    if not (dist.is_available() and dist.is_initialized()):
+        return f"this process: pid {here[1]} on {here[0]}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, here)
+    by_host: dict[str, list[str]] = {}
+    for rank, (host, pid) in enumerate(everyone):
+        by_host.setdefault(host, []).append(f"{rank}:{pid}")
+    return "rank:pid " + "; ".join(f"on {host} {' '.join(pids)}" for host, pids in by_host.items())
 
 
 class _SlowIterationWatch:
@@ -111,12 +128,13 @@ class StackDumps:
         if not faulthandler.is_enabled():  # an earlier enable (pytest's, python -X faulthandler) stays
             faulthandler.enable(file=stream, all_threads=True)
             self._enabled_here = True
+        ranks = where_the_ranks_are()  # a collective: before any branch
         if threading.current_thread() is threading.main_thread():  # signals can only be set up there
             faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
             self._registered = True
             timed = "" if self.after_s is None else f", and after {self.after_s / 60:g} minutes in one loop iteration"
-            logger.info("each rank writes every thread's Python stack to its stderr on SIGUSR2 (kill -USR2 %d for "
-                        "this one)%s", os.getpid(), timed)
+            logger.info("each rank writes every thread's Python stack to its stderr on SIGUSR2 (kill -USR2 <pid>; "
+                        "%s)%s", ranks, timed)
         if self.after_s is not None:
             self._watch = _SlowIterationWatch(self.after_s)
         return self

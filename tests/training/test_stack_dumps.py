@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -112,7 +113,7 @@ def train_and_read_stderr(rank: int, world_size: int, corpus, root: Path, after_
     if after_minutes is not None:
         overrides.append(f"train.stack_dump_after_minutes={after_minutes}")
     result = pretrain(load_config(TINY_RUN_CONFIG, overrides, world_size))
-    return sorted(result.losses.items()), log.read_text(errors="replace")
+    return sorted(result.losses.items()), log.read_text(errors="replace"), os.getpid()
 
 
 @pytest.mark.multirank
@@ -125,3 +126,5 @@ def test_timed_dumps_show_each_rank_inside_the_training_loop_and_change_no_loss(
         assert TIMED_HEADER not in plain[rank][1]
         stacks = dumped[rank][1]
         assert TIMED_HEADER in stacks and "lnstrain/training/trainer.py" in stacks, stacks[-2000:]
+    rank0_log = plain[0][1]  # names every rank's PID, to signal
+    assert f"rank:pid on {socket.gethostname()} 0:{plain[0][2]} 1:{plain[1][2]}" in rank0_log, rank0_log[:3000]
