@@ -29,7 +29,7 @@ while (($#)); do
 done
 mkdir -p "$out"
 log="$out/depth_point.log"
-exec > >(tee -a "$log") 2>&1
+exec > >(tee -a "$log") 2> >(tee -a "$log" >&2)  # the log has both; errors stay on stderr
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 needed=$("$PYTHON" -c "
