@@ -85,5 +85,7 @@ def test_a_study_whose_data_is_missing_is_refused_before_anything_runs(tmp_path)
     study = _study(tmp_path, str(tmp_path / "nowhere/train"), str(tmp_path / "nowhere/valid"), str(tmp_path / "t.model"))
     result = _run(study, tmp_path / "out")
     assert result.returncode == 2
-    assert f"{tmp_path / 'nowhere/train'}.bin is missing (named by {study})" in result.stdout  # the log's copy too
+    message = f"{tmp_path / 'nowhere/train'}.bin is missing (named by {study})"
+    assert message in result.stderr and message not in result.stdout
+    assert message in (tmp_path / "out/depth_point.log").read_text()  # the log has it too
     assert not (tmp_path / "runs").exists()
