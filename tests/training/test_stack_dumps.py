@@ -128,3 +128,34 @@ def test_timed_dumps_show_each_rank_inside_the_training_loop_and_change_no_loss(
         assert TIMED_HEADER in stacks and "lnstrain/training/trainer.py" in stacks, stacks[-2000:]
     rank0_log = plain[0][1]  # names every rank's PID, to signal
     assert f"rank:pid on {socket.gethostname()} 0:{plain[0][2]} 1:{plain[1][2]}" in rank0_log, rank0_log[:3000]
+
+
+def wait_in_a_collective_and_collect_dumps(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    watched = logging.getLogger("lnstrain.training.stack_dumps")
+    watched.addHandler(Keep(level=logging.WARNING))
+    dist.barrier()  # both ranks start the clock together, however late their processes started
+    dumps = StackDumps(after_minutes=0.2 / 60).install()
+    try:
+        dumps.iteration_started(5)
+        if rank == 1:
+            time.sleep(1.5)  # the late rank: rank 0 waits for it inside the barrier
+        dist.barrier()
+    finally:
+        dumps.uninstall()
+    return messages
+
+
+@pytest.mark.multirank
+def test_a_rank_waiting_in_a_collective_still_writes_its_timed_dumps():
+    early, late = run_distributed(wait_in_a_collective_and_collect_dumps, 2, timeout_s=120)
+    assert len(early) >= 3, early  # about 1.5 s in the barrier, a dump every 0.2 s
+    assert all("step 5" in m and "in barrier" in m for m in early), early[0]
+    assert late and all("time.sleep(1.5)" in m and "in barrier" not in m for m in late), late  # still sleeping
