@@ -8,6 +8,11 @@ that must exist before the model is built (`ParallelGroups.build(..., tp_replica
 
 `checkpoint_core` (selective activation checkpointing) recomputes the attention core,
 softmax(q k^T) v, in backward instead of keeping what it saves: the inputs q, k, v are kept.
+
+Under context parallelism (``groups.cp_size`` > 1) each rank holds two chunks of the sequence; q and k
+are rotated at their global positions, and the core is exact over the whole sequence: ring attention
+(``parallel.ring_attention``) or, with ``context_method: all_to_all``, SDPA over the whole sequence for
+a share of the heads between two all-to-alls (``parallel.all_to_all_attention``).
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from torch.utils.checkpoint import checkpoint
 
 from lnstrain.model.config import ModelConfig
 from lnstrain.model.rotary import RotaryEmbedding
+from lnstrain.parallel.all_to_all_attention import heads_to_sequence, sequence_to_heads
+from lnstrain.parallel.context import local_positions
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, RowParallelLinear
 from lnstrain.parallel.mappings import enter_tp_region
+from lnstrain.parallel.ring_attention import ring_attention
 
 if TYPE_CHECKING:
     from lnstrain.parallel.groups import ParallelGroups
@@ -88,32 +96,44 @@ class Attention(nn.Module):
             self.v_proj = ColumnParallelLinear(cfg.hidden_size, [v], groups, input_in_region=True)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, groups, name="o")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.uses_ring = groups.cp_size > 1 and groups.context_method == "ring"
+        self.uses_all_to_all = groups.cp_size > 1 and groups.context_method == "all_to_all"
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q and k, and v, each [batch, seq, heads, head_dim]."""
+        """Rotated q and k (at their global positions), and v, each [batch, seq, heads, head_dim]."""
         batch, seq, _ = x.shape
+        positions = local_positions(seq, self.groups)
         if hasattr(self, "qkv_proj"):
-            return self.rotary.fused_qkv(self.qkv_proj(x), self.local_heads, self.local_kv_heads)
+            return self.rotary.fused_qkv(self.qkv_proj(x), self.local_heads, self.local_kv_heads, positions)
         q = self.q_proj(x).view(batch, seq, self.local_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k)
+        q, k = self.rotary(q, k, positions)
         return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [batch, seq, hidden] (sequence-sharded under sequence parallelism)."""
+        """x: [batch, seq, hidden] (sequence-sharded under sequence parallelism; this rank's two chunks
+        under context parallelism)."""
         x = enter_tp_region(x, self.groups)
         batch, seq, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self._project(x))
+        q, k, v = self._project(x)
+        if self.uses_all_to_all:  # the whole sequence, 1/N of the heads
+            q, k, v = sequence_to_heads(q, k, v, self.groups)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.checkpoint_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             out = self.core(q, k, v)
-        out = out.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
-        return self.o_proj(out)
+        out = out.transpose(1, 2)
+        if self.uses_all_to_all:
+            out = heads_to_sequence(out, self.groups)
+        return self.o_proj(out.reshape(batch, seq, self.local_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], on ``sdpa_backends``."""
+        """Causal softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim]: on ``sdpa_backends``, or
+        by ring attention across the context group."""
+        if self.uses_ring:
+            return ring_attention(q, k, v, self.groups)
         if self.sdpa_backends is None:
             return self._sdpa(q, k, v)
         with sdpa_kernel(self.sdpa_backends, **_PRIORITY):

@@ -1,7 +1,9 @@
 """Rotary position embeddings (rotate-half layout, as Hugging Face LLaMA).
 
 Everything here works on heads laid out as the projections produce them, ``[batch, seq, heads,
-head_dim]``, with cos/sin tables cached in the exact broadcast shape ``[seq, 1, head_dim]``.
+head_dim]``, with cos/sin tables cached in the exact broadcast shape ``[seq, 1, head_dim]``. Positions
+are global: under context parallelism a rank's tokens are two chunks of the sequence
+(``parallel.context.local_positions``), rotated at their positions in the whole sequence.
 
 rotate(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -64,18 +67,29 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k, shaped [batch, seq, heads, head_dim], by their positions 0..seq-1."""
-        cos, sin = self.tables(q.shape[1], q.device, q.dtype)
+    def tables_at(self, positions: Sequence[range], device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the tokens at ``positions`` (consecutive ranges), shaped [tokens, 1, head_dim]."""
+        if len(positions) == 1 and positions[0].start == 0:
+            return self.tables(len(positions[0]), device, dtype)
+        cos, sin = self.tables(max(r.stop for r in positions), device, dtype)
+        return (torch.cat([cos[r.start:r.stop] for r in positions]),
+                torch.cat([sin[r.start:r.stop] for r in positions]))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: Sequence[range] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k, shaped [batch, seq, heads, head_dim], by their positions (0..seq-1 when None)."""
+        cos, sin = self.tables_at(positions or [range(q.shape[1])], q.device, q.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
-    def fused_qkv(self, qkv: torch.Tensor, q_heads: int,
-                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q and k, and v, from a fused projection's output [batch, seq, (q_heads + 2 kv_heads) * head_dim].
+    def fused_qkv(self, qkv: torch.Tensor, q_heads: int, kv_heads: int,
+                  positions: Sequence[range] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q and k, and v, from a fused projection's output [batch, seq, (q_heads + 2 kv_heads) * head_dim],
+        at ``positions`` (0..seq-1 when None).
 
         Returns [batch, seq, heads, head_dim] tensors, views of one new buffer.
         """
-        cos, sin = self.tables(qkv.shape[1], qkv.device, qkv.dtype)
+        cos, sin = self.tables_at(positions or [range(qkv.shape[1])], qkv.device, qkv.dtype)
         if torch.compiler.is_compiling():  # inductor fuses the plain ops; dynamo cannot trace `out=` views
             batch, seq, width = qkv.shape
             heads = qkv.view(batch, seq, width // self.head_dim, self.head_dim)
