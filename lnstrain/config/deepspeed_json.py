@@ -41,12 +41,12 @@ def zero_bucket_elements(config: Config) -> int:
 
 def overlaps_gradient_reduction(config: Config, world_size: int) -> bool:
     """Whether ZeRO 1/2 reduces gradients during the backward (``overlap_comm``): where there is a
-    reduction to hide (several data-parallel ranks) and DeepSpeed's ZeRO optimizer does it. With one
-    data-parallel rank there is nothing to overlap and the second bucket would only cost memory;
+    reduction to hide (several data × context ranks) and DeepSpeed's ZeRO optimizer does it. With one
+    such rank there is nothing to overlap and the second bucket would only cost memory;
     BF16_Optimizer (bf16 at ZeRO 1 with fp32 accumulation) reduces after the last micro-batch whatever
     the option says. The order of the additions is the same either way: the numbers do not change."""
     return (optimizer_kind(config) is OptimizerKind.ZERO and config.parallel.zero_stage in (1, 2)
-            and config.data_parallel_size(world_size) > 1)
+            and config.shard_replicas(world_size) > 1)
 
 
 def accumulates_fp32_gradients_in_backward(config: Config) -> bool:
@@ -67,7 +67,8 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON for ``config`` on ``world_size`` ranks."""
     precision = config.precision
     derived: dict[str, Any] = {
-        "train_batch_size": config.train.global_batch_size,
+        # DeepSpeed's data-parallel ranks are data × context, each with its micro-batches' chunks
+        "train_batch_size": config.train.global_batch_size * config.parallel.context,
         "train_micro_batch_size_per_gpu": config.train.micro_batch_size,
         "gradient_accumulation_steps": config.grad_accumulation_steps(world_size),
         "gradient_clipping": config.optim.grad_clip,
@@ -113,10 +114,10 @@ def deepspeed_config_problems(config: Config, world_size: int) -> list[str]:
     derived = deepspeed_config(config, world_size)
     batch = [derived.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                           "gradient_accumulation_steps")]
-    dp = config.data_parallel_size(world_size)
+    dp = config.shard_replicas(world_size)
     if not all(isinstance(n, int) for n in batch) or batch[0] != batch[1] * batch[2] * dp:
         return [f"deepspeed: train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
-                f"({batch[0]}, {batch[1]}, {batch[2]}) do not match {dp} data-parallel rank(s); lnstrain derives "
+                f"({batch[0]}, {batch[1]}, {batch[2]}) do not match DeepSpeed's {dp} data-parallel rank(s) (data × context); lnstrain derives "
                 "them from train.global_batch_size and train.micro_batch_size: remove them from the deepspeed: "
                 "section"]
     # without process groups DeepSpeed counts one data-parallel rank; the batch was checked above

@@ -36,6 +36,8 @@ class RunSections(Protocol):
 
     def data_parallel_size(self, world_size: int) -> int: ...
 
+    def shard_replicas(self, world_size: int) -> int: ...
+
     def grad_accumulation_steps(self, world_size: int) -> int: ...
 
 
@@ -94,18 +96,54 @@ ZERO3_COMPILE_REFUSAL = (
     "parallel.zero_stage 1 or 2 with compilation, or train.compile: false (or auto, which leaves ZeRO-3 eager).")
 
 
+CONTEXT_COMPILE_REFUSAL = (
+    "train.compile: true with parallel.context > 1: the attention across the context split communicates "
+    "inside each layer (point-to-point or all-to-all), which torch.compile does not trace, and compiled "
+    "layers with context parallelism are untested. Use train.compile: false (or auto, which leaves them eager).")
+
+
 def compiles_layers(config: RunSections, device_type: str) -> bool:
     """Whether ``build_model`` compiles the transformer layers on ``device_type`` (``cuda`` or ``cpu``):
-    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 (``compile_problem`` refuses true there)."""
+    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 or with context parallelism
+    (``compile_problem`` refuses true there)."""
     setting = config.train.compile
-    if config.parallel.zero_stage == 3:
+    if config.parallel.zero_stage == 3 or config.parallel.context > 1:
         return False
     return setting is True or (setting == "auto" and device_type == "cuda")
 
 
 def compile_problem(config: RunSections) -> str:
     """Why ``train.compile`` cannot be true with this layout; empty when it can."""
-    return ZERO3_COMPILE_REFUSAL if config.train.compile is True and config.parallel.zero_stage == 3 else ""
+    if config.train.compile is not True:
+        return ""
+    if config.parallel.zero_stage == 3:
+        return ZERO3_COMPILE_REFUSAL
+    return CONTEXT_COMPILE_REFUSAL if config.parallel.context > 1 else ""
+
+
+def _context_problems(config: RunSections) -> list[str]:
+    """Context parallelism against the sequence, the heads and what it does not support."""
+    model, par, seq_len = config.model, config.parallel, config.data.seq_len
+    context = par.context
+    if context <= 1 or par.tensor < 1:
+        return []
+    problems = []
+    if seq_len % (2 * context):
+        problems.append(f"data.seq_len ({seq_len}) must be divisible by 2 × parallel.context ({2 * context}): each "
+                        f"context rank holds two of 2 × {context} equal chunks")
+    elif par.sequence_parallel and par.tensor > 1 and (seq_len // context) % par.tensor:
+        problems.append(f"data.seq_len / parallel.context ({seq_len // context}) must be divisible by parallel.tensor "
+                        f"({par.tensor}) with sequence parallelism")
+    if par.context_method == "all_to_all" and model.num_heads % par.tensor == 0:
+        heads, kv_heads = model.num_heads // par.tensor, max(model.kv_heads // par.tensor, 1)
+        if heads % context or kv_heads % context:
+            problems.append(f"parallel.context_method all_to_all needs the query heads ({heads}) and key/value heads "
+                            f"({kv_heads}) of each tensor rank divisible by parallel.context ({context}); use "
+                            "parallel.context_method: ring")
+    if model.attention_dropout > 0:
+        problems.append(f"model.attention_dropout ({model.attention_dropout}) must be 0 with parallel.context > 1: "
+                        "attention across the context split has no dropout")
+    return problems
 
 
 def _shape_problems(config: RunSections) -> list[str]:
@@ -123,14 +161,14 @@ def _shape_problems(config: RunSections) -> list[str]:
                         f"({par.tensor}) with sequence parallelism")
     if seq_len > model.max_seq_len:
         problems.append(f"data.seq_len ({seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
-    return problems
+    return problems + _context_problems(config)
 
 
 def _batch_problems(config: RunSections, world_size: int) -> list[str]:
     """The global batch must split into whole micro-batches over the data-parallel ranks."""
     train, par = config.train, config.parallel
-    if min(par.tensor, par.pipeline, train.micro_batch_size) < 1 or world_size_problems(world_size, par.tensor,
-                                                                                         par.pipeline):
+    if min(par.tensor, par.pipeline, par.context, train.micro_batch_size) < 1 or world_size_problems(
+            world_size, par.tensor, par.pipeline, par.context):
         return []  # problems reported on their own
     dp = config.data_parallel_size(world_size)
     per_step = train.micro_batch_size * dp
@@ -147,7 +185,7 @@ def bf16_accumulation_problem(config: RunSections, world_size: int) -> str:
     if not (precision.dtype == "bf16" and precision.fp32_grad_accum
             and optimizer_kind(config) is OptimizerKind.FP16_UNFUSED):
         return ""
-    if (parallel.tensor < 1 or parallel.pipeline < 1 or config.data_parallel_size(world_size) < 1
+    if (min(parallel.tensor, parallel.pipeline, parallel.context) < 1 or config.data_parallel_size(world_size) < 1
             or config.train.micro_batch_size < 1):
         return ""  # a layout problem reported on its own
     steps = config.grad_accumulation_steps(world_size)
@@ -202,7 +240,8 @@ def cross_section_problems(config: RunSections, world_size: int | None) -> list[
     """Every rule between sections; those that need the world size only when it is given."""
     problems = _shape_problems(config)
     if world_size is not None:
-        problems += world_size_problems(world_size, config.parallel.tensor, config.parallel.pipeline)
+        problems += world_size_problems(world_size, config.parallel.tensor, config.parallel.pipeline,
+                                        config.parallel.context)
         problems += _batch_problems(config, world_size)
     return problems + _precision_problems(config, world_size)
 

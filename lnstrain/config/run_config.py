@@ -101,7 +101,12 @@ class Config:
 
     # --- derived quantities -------------------------------------------------------------------
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.parallel.tensor * self.parallel.pipeline)
+        return world_size // (self.parallel.tensor * self.parallel.pipeline * self.parallel.context)
+
+    def shard_replicas(self, world_size: int) -> int:
+        """Ranks holding the same model shard, data × context: what gradients are summed over, ZeRO
+        partitions its state across, and a checkpoint counts as its data-parallel size."""
+        return self.data_parallel_size(world_size) * self.parallel.context
 
     def grad_accumulation_steps(self, world_size: int) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size(world_size))
