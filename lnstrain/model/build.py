@@ -1,7 +1,7 @@
 """How the model becomes parallel, in two calls that every rank makes in the same order.
 
 1. ``build_groups(config)``: every process group the run communicates over (``ParallelGroups.build``):
-   tensor, pipeline and data groups, the blocks of tensor ranks that share a replicated key/value
+   tensor, context, pipeline and data groups (and data × context), the blocks of tensor ranks that share a replicated key/value
    head (``attention.kv_head_copies``), and DeepSpeed's communication layer.
 2. ``build_model(config, groups)``: this rank's share of the model, creating none of those groups
    (DeepSpeed's ``PipelineModule`` builds its own grid of them, checked against ours). Tensor
@@ -40,7 +40,8 @@ def build_groups(config: Config) -> ParallelGroups:
     """This rank's process groups for ``config``'s layout and model (collective: every rank calls it)."""
     parallel = config.parallel
     return ParallelGroups.build(parallel.tensor, parallel.pipeline, parallel.sequence_parallel,
-                                tp_replica_copies=kv_head_copies(config.model, parallel.tensor))
+                                tp_replica_copies=kv_head_copies(config.model, parallel.tensor),
+                                context=parallel.context, context_method=parallel.context_method)
 
 
 def build_model(config: Config, groups: ParallelGroups, device_type: str = "cpu") -> nn.Module:

@@ -11,6 +11,8 @@ gradients DeepSpeed all-reduces between them.) Micro-batches travel as ``(tokens
 weights))``: tokens to the first stage, labels and loss weights to the last, whose loss is
 ``model.loss.weighted_token_loss``, as without a pipeline. ``model.build.build_model`` is the entry
 point (it applies activation checkpointing and compilation to the stage this file builds).
+
+DeepSpeed's grid has no context axis: its data axis holds data × context (``parallel.groups``).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def explicit_parts(layers_per_stage: list[int], num_specs: int) -> list[int]:
 def check_grid_matches(module: PipelineModule, groups: ParallelGroups) -> None:
     """Assert that DeepSpeed's pipeline grid puts this rank in the same groups as ours."""
     grid = pipeline_grid_ranks(module)
-    ours = {"pipe": list(groups.pp_ranks), "data": list(groups.dp_ranks), "model": list(groups.tp_ranks)}
+    ours = {"pipe": list(groups.pp_ranks), "data": list(groups.dcp_ranks), "model": list(groups.tp_ranks)}
     theirs = {"pipe": grid.pipe, "data": grid.data, "model": grid.model}
     assert ours == theirs, f"DeepSpeed's pipeline grid {theirs} differs from lnstrain's groups {ours}"
     assert grid.stage == groups.pp_rank, (grid.stage, groups.pp_rank)
@@ -111,7 +113,7 @@ def build_pipeline_module(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
     specs = layer_specs(model_cfg, groups)
     boundaries = parallel_cfg.pipeline_boundaries
     module = pipeline_module(
-        specs, tensor=groups.tp_size, pipeline=groups.pp_size, data=groups.dp_size,
+        specs, tensor=groups.tp_size, pipeline=groups.pp_size, data=groups.dcp_size,
         stage_parts=explicit_parts(boundaries, len(specs)) if boundaries else None,
         loss_fn=PipelineLoss(model_cfg, groups), partition_method=parallel_cfg.pipeline_partition,
         activation_checkpoint_interval=0)

@@ -131,9 +131,10 @@ class ParallelGroups:
     """This rank's place in the (tensor, context, pipeline, data) grid and the groups it belongs to.
 
     Group handles are ``None`` when that axis has size 1: layers then skip communication entirely.
-    The ``get_*`` methods make this object usable as DeepSpeed's ``mpu`` argument, context parallelism
-    included: DeepSpeed calls it sequence parallelism (``get_sequence_parallel_*``) and reduces
-    gradients and partitions ZeRO state over data × context (``get_sequence_data_parallel_*``).
+    The ``get_*`` methods make this object usable as DeepSpeed's ``mpu`` argument. DeepSpeed's data
+    parallelism is lnstrain's data × context: the ranks holding the same model shard, over which it
+    sums gradients and partitions ZeRO state (``get_data_parallel_*`` answer for them; docs/parallelism.md,
+    "Context parallelism", says why not DeepSpeed's own sequence-parallel interface).
     """
 
     tp_size: int = 1
@@ -149,7 +150,7 @@ class ParallelGroups:
     tp_ranks: tuple[int, ...] = (0,)
     pp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
-    # Real group handles even for axes of size 1 (DeepSpeed insists on a handle): (tp, pp, dp).
+    # Real group handles even for axes of size 1 (DeepSpeed insists on a handle): (tp, pp, data × context).
     mpu_groups: tuple[ProcessGroup, ProcessGroup, ProcessGroup] = (None, None, None)
     # (copies, handle) of this rank's block of `copies` neighbouring tensor ranks, 1 < copies < tp:
     # the ranks holding the same replicated unit (a key/value head); see with_tp_replica_groups.
@@ -163,8 +164,6 @@ class ParallelGroups:
     dcp_group: ProcessGroup = None
     """Data × context (None when of size 1): the ranks whose gradients are summed for one model shard."""
     dcp_ranks: tuple[int, ...] = (0,)
-    # Real handles for DeepSpeed even at size 1: (context, data × context).
-    mpu_context_groups: tuple[ProcessGroup, ProcessGroup] = (None, None)
 
     @classmethod
     def single_process(cls) -> "ParallelGroups":
@@ -218,11 +217,10 @@ class ParallelGroups:
                      dp_group=dp_handle if layout.dp_size > 1 else None,
                      sequence_parallel=sequence_parallel and tensor > 1,
                      tp_ranks=tp_ranks, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
-                     mpu_groups=(tp_handle, pp_handle, dp_handle),
+                     mpu_groups=(tp_handle, pp_handle, dcp_handle),
                      cp_size=context, cp_rank=cp_rank, cp_group=cp_handle, cp_ranks=cp_ranks,
                      context_method=context_method,
-                     dcp_group=dcp_handle if len(dcp_ranks) > 1 else None, dcp_ranks=dcp_ranks,
-                     mpu_context_groups=(cp_handle, dcp_handle))
+                     dcp_group=dcp_handle if len(dcp_ranks) > 1 else None, dcp_ranks=dcp_ranks)
         logger.info("rank %d: tensor %d/%d, context %d/%d, pipeline %d/%d, data %d/%d", rank, tp_rank, tensor,
                     cp_rank, context, pp_rank, pipeline, dp_rank, layout.dp_size)
         return groups.with_tp_replica_groups(tp_replica_copies)
@@ -273,13 +271,6 @@ class ParallelGroups:
         """This rank's index among the data × context ranks (DeepSpeed's data-parallel rank in its files)."""
         return self.dp_rank * self.cp_size + self.cp_rank
 
-    @property
-    def loss_average_size(self) -> int:
-        """How many ranks DeepSpeed divides the summed gradients (and the reported loss) by: the
-        data-parallel size, as its engine knows the context group through this object's sequence
-        methods; under a pipeline data × context, as DeepSpeed's pipeline grid (which has no context
-        axis) folds the context ranks into its data axis (``model.pipeline``)."""
-        return self.dcp_size if self.pp_size > 1 else self.dp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -306,17 +297,18 @@ class ParallelGroups:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.tp_ranks[0]
 
+    # DeepSpeed's data parallelism: data × context.
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.dcp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
+        return self.dcp_size
 
     def get_data_parallel_group(self) -> ProcessGroup:
         return self.mpu_groups[2]
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.dp_ranks)
+        return list(self.dcp_ranks)
 
     def get_pipe_parallel_rank(self) -> int:
         return self.pp_rank
@@ -327,22 +319,3 @@ class ParallelGroups:
     def get_pipe_parallel_group(self) -> ProcessGroup:
         return self.mpu_groups[1]
 
-    # Context parallelism, as DeepSpeed's sequence parallelism (Ulysses) reads it: gradients summed over
-    # data × context and divided by the data size; ZeRO partitions over data × context.
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.cp_size
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.cp_rank
-
-    def get_sequence_parallel_group(self) -> ProcessGroup:
-        return self.mpu_context_groups[0]
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.dcp_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.dcp_rank
-
-    def get_sequence_data_parallel_group(self) -> ProcessGroup:
-        return self.mpu_context_groups[1] if self.cp_size > 1 else self.mpu_groups[2]

@@ -6,12 +6,19 @@ A micro-batch is the data layer's dict ``{"tokens": int64[mb, seq + 1], "loss_ma
 tokens the data layer excludes).
 
 The reported loss is the mean over every counted token of the global batch, however the batch is
-split into micro-batches and data-parallel ranks. DeepSpeed averages per-micro-batch losses (divides
-by the accumulation steps, then by the data-parallel size), so each micro-batch's loss is its
-*sum* of token losses times ``weight = accumulation_steps * dp_size / counted_tokens_in_global_batch``:
-their DeepSpeed average is then exactly ``sum of token losses / counted tokens``, and so are the
-gradients. One all-reduce of a scalar over the data-parallel group finds the token count. The loss
-itself, ``sum(token loss * weight)``, is ``lnstrain.model.loss.weighted_token_loss``.
+split into micro-batches, data-parallel ranks and context chunks. DeepSpeed averages per-micro-batch
+losses over its data-parallel ranks, which are lnstrain's data × context ranks (divides by the
+accumulation steps, then by ``dcp_size`` = data-parallel size × context size), so each micro-batch's
+loss is its *sum* of token losses times ``weight = accumulation_steps * dcp_size / counted_tokens_in_global_batch``:
+their DeepSpeed average is then exactly ``sum of token losses / counted tokens``, and so are the gradients. One
+all-reduce of a scalar over the data-parallel group finds the token count (every context rank holds
+the whole micro-batches, so counts alike). The loss itself, ``sum(token loss * weight)``, is
+``lnstrain.model.loss.weighted_token_loss``.
+
+Context parallelism: every rank of a context group gets the same micro-batches (whole samples) and
+keeps its two chunks of each sequence (``parallel.context.split_for_context``) of the inputs, the
+labels and the weights, after the count; the labels are shifted before the cut, so the token at the
+end of a chunk predicts the first token of the next one, as on one process.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lnstrain.parallel.context import split_for_context
 from lnstrain.parallel.groups import collective_device
 
 if TYPE_CHECKING:
@@ -34,9 +42,9 @@ MicroBatch = dict[str, torch.Tensor]
 class WeightedMicroBatch:
     """Model inputs, targets and per-token loss weights of one micro-batch."""
 
-    inputs: torch.Tensor   # int64 [mb, seq]
-    labels: torch.Tensor   # int64 [mb, seq]
-    weights: torch.Tensor  # float32 [mb, seq]: loss_mask * accumulation * dp / counted tokens
+    inputs: torch.Tensor   # int64 [mb, seq / context]: this context rank's chunks
+    labels: torch.Tensor   # int64 [mb, seq / context]
+    weights: torch.Tensor  # float32 [mb, seq / context]: loss_mask * accumulation * dcp_size / counted tokens
 
 
 def split_tokens(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,7 +63,8 @@ def split_tokens(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
                         device: torch.device | str = "cpu") -> tuple[list[WeightedMicroBatch], float]:
-    """Loss weights making DeepSpeed's micro-batch average the global token-weighted mean.
+    """Loss weights making DeepSpeed's micro-batch average the global token-weighted mean, each
+    micro-batch cut to this context rank's chunks.
 
     Returns the weighted micro-batches and the number of counted tokens in the global batch
     (all data-parallel ranks). A global batch with no counted token gets weight 0 (loss 0).
@@ -68,8 +77,8 @@ def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
         counted = torch.tensor([total], dtype=torch.float64, device=collective_device(groups.dp_group))
         dist.all_reduce(counted, group=groups.dp_group)
         total = counted.item()
-    scale = len(micro_batches) * groups.dp_size / total if total > 0 else 0.0
-    weighted = [WeightedMicroBatch(inputs.to(device), labels.to(device), (mask * scale).to(device))
+    scale = len(micro_batches) * groups.dcp_size / total if total > 0 else 0.0
+    weighted = [WeightedMicroBatch(*(split_for_context(t, 1, groups).to(device) for t in (inputs, labels, mask * scale)))
                 for inputs, labels, mask in split]
     return weighted, total
 

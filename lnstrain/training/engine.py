@@ -61,11 +61,12 @@ class StepResult:
 
 def _check_groups_match(config: Config, groups: ParallelGroups) -> None:
     """The groups must be the config's layout; the data-parallel size, and so the world size, is theirs."""
-    tensor, pipeline = config.parallel.tensor, config.parallel.pipeline
-    actual = (groups.tp_size, groups.pp_size, groups.dp_size)
-    if actual[:2] != (tensor, pipeline):
-        raise ValueError(f"process groups are (tensor, pipeline, data) = {actual} but the config asks for tensor "
-                         f"{tensor} × pipeline {pipeline}; build them with lnstrain.model.build.build_groups(config)")
+    parallel = config.parallel
+    wanted = (parallel.tensor, parallel.pipeline, parallel.context, parallel.context_method)
+    actual = (groups.tp_size, groups.pp_size, groups.cp_size, groups.context_method)
+    if actual != wanted:
+        raise ValueError(f"process groups are (tensor, pipeline, context, context method) = {actual} but the config "
+                         f"asks for {wanted}; build them with lnstrain.model.build.build_groups(config)")
 
 
 def _deepspeed_json(config: Config, world_size: int) -> dict[str, Any]:
@@ -115,8 +116,8 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size))
     fuse_gradient_cast(engine.optimizer)
-    logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
-                groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
+    logger.info("engine ready: tensor %d, context %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
+                groups.tp_size, groups.cp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
                 config.precision.dtype, engine.gradient_accumulation_steps())
     clip_hook = None
     if own_clipping:
@@ -251,11 +252,12 @@ class TrainingEngine:
         return self._global_mean(loss_sum / len(weighted))
 
     def _global_mean(self, local_mean_contribution: torch.Tensor) -> float:
-        # Each rank holds the mean of its weighted micro-batch losses; DeepSpeed's average over dp.
+        # Each rank holds the mean of its weighted micro-batch losses over its tokens (its context chunks);
+        # DeepSpeed's average over its data-parallel ranks, data × context.
         value = local_mean_contribution.reshape(1)
-        if self.groups.dp_size > 1:
-            dist.all_reduce(value, group=self.groups.dp_group)
-            value /= self.groups.dp_size
+        if self.groups.dcp_size > 1:
+            dist.all_reduce(value, group=self.groups.dcp_group)
+            value /= self.groups.dcp_size
         return value.item()
 
     def _pipeline_batches(self, micro_batches: list[MicroBatch]) -> list[tuple]:

@@ -42,6 +42,8 @@ class Layout:
     sequence_parallel: bool = False
     kv_heads: int = 2
     fused_qkv: bool = True
+    context: int = 1
+    context_method: str = "ring"
 
     def config(self, steps: int = STEPS) -> Config:
         return make_config(self, steps)
@@ -60,6 +62,7 @@ def make_config(layout: Layout, steps: int = STEPS, num_layers: int = 6) -> Conf
         model=model, data=DataConfig(seq_len=SEQ_LEN),
         parallel=ParallelConfig(tensor=layout.tensor, pipeline=layout.pipeline, zero_stage=layout.zero_stage,
                                 pipeline_partition=layout.partition, sequence_parallel=layout.sequence_parallel,
+                                context=layout.context, context_method=layout.context_method,
                                 pipeline_boundaries=list(layout.boundaries) if layout.boundaries else None),
         optim=OptimConfig(name="adamw", lr=3e-3, weight_decay=0.1, warmup_steps=2, grad_clip=1.0),
         train=TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, steps=steps,
@@ -145,7 +148,7 @@ def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[st
         result = engine.train_step(batches, before_optimizer_step=capture if step == 0 else None)
         results.append(result)
     eval_loss = engine.eval_loss(rank_micro_batches(steps, groups.dp_rank, groups.dp_size))
-    keep_gradients = groups.dp_rank == 0 and groups.tp_rank == 0  # one copy of each gradient
+    keep_gradients = groups.dp_rank == 0 and groups.tp_rank == 0 and groups.cp_rank == 0  # one copy of each
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "lrs": [r.lr for r in results], "skipped": [r.skipped for r in results], "eval_loss": eval_loss,
             "gradients": captured if keep_gradients else {}, "factors": layer_factors(engine.module),

@@ -12,6 +12,11 @@ format).
 Sequence parallelism and replicated KV heads (partial gradients summed inside autograd) run with
 pipelines, ZeRO-1/2/3 and bf16, with selective recomputation on the pipelined and the plain path,
 and at tensor 4 with each KV head shared by 2 ranks (a sub-group of the tensor group).
+
+Context parallelism (each sample's 16 tokens cut into load-balanced chunks, exact attention across
+them) runs at context 2 (ring at ZeRO 0 with lnstrain's clipping, all-to-all at ZeRO 1, ring at
+ZeRO 3) and at context 4, and context 2 with tensor 2 (sequence parallel), with pipeline 2, and with
+data 2 (ZeRO 2), under the same tolerances.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ TWO_RANKS = [
     Layout("pp2_bf16_zero1", pipeline=2, zero_stage=1, dtype="bf16"),
     Layout("tp2_sp_replicated_kv_bf16_zero1", tensor=2, zero_stage=1, sequence_parallel=True, kv_heads=1,
            fused_qkv=False, dtype="bf16"),
+    Layout("cp2_ring", context=2),
+    Layout("cp2_all_to_all_zero1", context=2, context_method="all_to_all", zero_stage=1),
+    Layout("cp2_ring_zero3", context=2, zero_stage=3),
 ]
 FOUR_RANKS = [
     Layout("pp4_uneven_1_2_2_1", pipeline=4, boundaries=(1, 2, 2, 1)),
@@ -46,6 +54,10 @@ FOUR_RANKS = [
     Layout("tp4_sp_zero1_kv_shared_by_2", tensor=4, zero_stage=1, sequence_parallel=True, fused_qkv=False),
     Layout("tp2_sp_dp2_zero3_replicated_kv", tensor=2, zero_stage=3, sequence_parallel=True, kv_heads=1,
            fused_qkv=False),  # ZeRO-3 gathers the norm gains the block hands on as stand-ins
+    Layout("cp4_ring_zero1", context=4, zero_stage=1),
+    Layout("cp2_tp2_sp_zero1", context=2, tensor=2, sequence_parallel=True, zero_stage=1),
+    Layout("cp2_pp2_zero1", context=2, pipeline=2, zero_stage=1),
+    Layout("cp2_dp2_zero2", context=2, zero_stage=2),
 ]
 EXACT = [layout for layout in TWO_RANKS + FOUR_RANKS if layout.dtype == "fp32"]
 REFERENCES = list({layout.reference.name: layout.reference for layout in TWO_RANKS + FOUR_RANKS}.values())
