@@ -19,8 +19,8 @@ Per global layer number l (tags `depth/<stat>/layer_07`):
   engine's `before_optimizer_step` callback: reduced, before clipping; not logged on steps where
   it was not called);
 - output_grad_norm: norm of the step loss's gradient with respect to layer l's output activations
-  (all tokens of the step; the loss is the mean over data-parallel ranks and micro-batches,
-  as DeepSpeed defines it);
+  (all tokens of the step; the loss is the mean over DeepSpeed's data-parallel ranks, lnstrain's
+  data × context ranks, and micro-batches, as DeepSpeed defines it);
 - attention_to_residual, mlp_to_residual: ||sublayer contribution|| / ||residual it is added
   to||, both summed over tokens. The contribution is the change of the residual stream (for
   Post-LN blocks, which are not additive, the change across the sublayer and its norm).
@@ -34,10 +34,10 @@ DeepSpeed's dynamic loss scaler updates it inside the optimizer step (x2 after
 
 Hooks exist only on armed steps, so other steps cost nothing. Sums stay on the device until
 `collect`, which all-reduces one [num_layers, 9] float64 tensor over the whole world: layers a
-pipeline stage lacks are zeros there, data-parallel ranks add their tokens, and tensor-parallel
-ranks add only what they own (sequence shards under sequence parallelism, else rank 0 only).
-Forward hooks that fire inside backward (activation recomputation) are ignored. Parameter
-gradients are full (reduced) on every data-parallel rank, so data-parallel rank 0 counts them;
+pipeline stage lacks are zeros there, data-parallel and context ranks add their tokens, and
+tensor-parallel ranks add only what they own (sequence shards under sequence parallelism, else rank
+0 only). Forward hooks that fire inside backward (activation recomputation) are ignored. Parameter
+gradients are full (reduced) on every data-parallel and context rank, so the first of them counts them;
 tensor-parallel shards (`tensor_model_parallel`) count on every tensor rank, replicated parameters
 on tensor rank 0.
 """
@@ -206,7 +206,7 @@ class DepthStatsCollector:
         `TrainingEngine.train_step` (gradients complete and reduced, not yet clipped). Every rank
         calls it (ZeRO assembles gradients collectively)."""
         self._read_parameter_grads = True
-        counts_on_dp = self.groups.dp_rank == 0
+        counts_on_dp = self.groups.dcp_rank == 0
         for block in self.blocks:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for param in block.parameters():
@@ -258,7 +258,7 @@ class DepthStatsCollector:
 
     def _scalars(self, table: torch.Tensor, loss_scale: float, read_parameter_grads: bool) -> dict[str, float]:
         num_layers = table.shape[0]
-        dp = self.groups.dp_size
+        dp = self.groups.dcp_size  # the loss's average, as DeepSpeed takes it
         scalars = {}
         for index, row in enumerate(table.tolist()):
             number = index + 1

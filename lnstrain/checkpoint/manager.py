@@ -165,7 +165,8 @@ class CheckpointManager:
 
     Args:
         config: the resolved run config (written into each checkpoint).
-        layout: (tensor, pipeline, data) parallel sizes; their product is the number of ranks.
+        layout: (tensor, pipeline, data) parallel sizes; their product is the number of ranks. Data
+            counts data × context ranks, those DeepSpeed's files are written for.
         data_fingerprint, tokenizer_checksum: this run's, stored and compared on resume.
     """
 

@@ -124,7 +124,7 @@ def load_resharded(training_engine: TrainingEngine, step_dir: str | Path, requir
     logger.info("resharded %s (tensor %d, pipeline %d, data %d) into tensor %d, pipeline %d, data %d: "
                 "step %d, %d samples consumed, %s, optimizer moments %s", step_dir, meta.tensor_parallel,
                 meta.pipeline_parallel, meta.data_parallel, training_engine.groups.tp_size,
-                training_engine.groups.pp_size, training_engine.groups.dp_size, meta.step, meta.consumed_samples,
+                training_engine.groups.pp_size, training_engine.groups.dcp_size, meta.step, meta.consumed_samples,
                 state.weights_source, "carried" if state.moments else "NOT carried")
     return TrainingPosition.from_metadata(meta)
 

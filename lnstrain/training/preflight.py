@@ -116,7 +116,7 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     if world_size is not None and not problems:
         from lnstrain.checkpoint.reshard import reshard_problems
 
-        layout = (config.parallel.tensor, config.parallel.pipeline, config.data_parallel_size(world_size))
+        layout = (config.parallel.tensor, config.parallel.pipeline, config.shard_replicas(world_size))
         problems += reshard_problems(step_dir, layout, config.checkpoint.reshard_with_fresh_optimizer)
     if config.checkpoint.allow_data_mismatch or not compare_data:
         return problems

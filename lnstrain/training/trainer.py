@@ -105,7 +105,7 @@ class Trainer:
         self.config = config
         self.rank = dist.get_rank()
         self.groups = build_groups(config)
-        seed_everything(config.train.seed + 100 * self.groups.pp_rank)  # tp/dp peers share dropout seeds
+        seed_everything(config.train.seed + 100 * self.groups.pp_rank)  # tp/cp/dp peers share dropout seeds
         self.global_batch = config.train.global_batch_size
         self.micro_batch = config.train.micro_batch_size
         self.accumulation = config.grad_accumulation_steps(self.groups.world_size)
@@ -122,7 +122,7 @@ class Trainer:
         from lnstrain.training.engine import build_engine
 
         self.engine = build_engine(config, self.groups)
-        self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dp_size),
+        self.checkpoints = CheckpointManager(config, (self.groups.tp_size, self.groups.pp_size, self.groups.dcp_size),
                                              data_fingerprint(config.data), tokenizer_checksum(config))
         self.saves_in_background = self._saves_in_background()
         self.metrics = MetricsLogger(self.total_steps, config.tokens_per_step, is_writer=self.rank == 0)
