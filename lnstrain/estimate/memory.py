@@ -50,6 +50,14 @@ fp32 statistic, SwiGLU recomputes silu in backward):
     never stored), or Korthikanti's 5·a·s²·b when the scores are materialised.
   Per layer: R/t + S/t with sequence parallelism, R + S/t without. For reference, Korthikanti's GPT
   block (4h GeLU MLP, dropout, scores stored) is s·b·h·(34 + 5·a·s/h).
+  Context parallelism (N ranks) keeps the same terms for s/N tokens: ring attention keeps q, k, v, its
+  output and the fp32 log-sum-exp of its own tokens, as FlashAttention does; the all-to-all form also
+  keeps attention's output before its second exchange, e·(s/N)·b·h/t more. Its working set, live
+  inside one layer (not beside the loss's transients: the larger of the two counts): the ring's
+  key/value blocks in flight, 2·2e·(s/N)·b·h_kv/t, and an fp32 output accumulator, 4·(s/N)·b·h/t, in
+  the forward; in the backward the blocks, fp32 key/value gradients travelling with them,
+  2·8·(s/N)·b·h_kv/t, and an fp32 query gradient 4·(s/N)·b·h/t; the all-to-all's send and receive
+  buffers for q|k|v, 2e·(s/N)·b·(h + 2h_kv)/t.
   Recomputation: ``selective`` drops C; ``full`` keeps only each layer's input, e·sbh (/t with
   sequence parallelism), and one layer's full activations exist while it is recomputed in backward.
   A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage.
@@ -100,9 +108,11 @@ class StageMemory:
     """Kept for backward at the end of the forward, by checkpointing mode: every micro-batch in
     flight, and on the last stage the loss's fp32 log-probabilities."""
     forward_transient: float
-    """Live only while the loss is computed: the logits (and an fp32 copy where the kernel upcasts)."""
+    """Live only while the loss is computed: the logits (and an fp32 copy where the kernel upcasts); or,
+    when larger, a layer's attention working set across the context split."""
     backward_transient: float
-    """At the start of backward, beside the activations: the gradients of the logits and of the head."""
+    """At the start of backward, beside the activations: the gradients of the logits and of the head (or,
+    when larger, a layer's backward working set across the context split)."""
     recompute: dict[str, float]
     """During backward, beside the activations: the layer being recomputed (``full``)."""
     gradients: float
@@ -164,6 +174,7 @@ class MemoryEstimate:
     optimizer_kind: OptimizerKind
     """The optimizer DeepSpeed wraps ours in."""
     device: str = "cuda"
+    context: int = 1
 
     @property
     def heaviest(self) -> StageMemory:
@@ -184,18 +195,37 @@ class MemoryEstimate:
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, tensor: int,
                            sequence_parallel: bool, checkpointing: str,
-                           scores_stored: bool = False, element_bytes: int = 2) -> float:
-    """Activation bytes one layer keeps for backward, per micro-batch (formula in the module docstring)."""
-    s, b, h, f, a = seq_len, micro_batch, model.hidden_size, model.ffn_hidden_size, model.num_heads
+                           scores_stored: bool = False, element_bytes: int = 2, context: int = 1,
+                           context_method: str = "ring") -> float:
+    """Activation bytes one layer keeps for backward, per micro-batch, on one of ``context`` ranks
+    sharing each sequence (formula in the module docstring)."""
+    s, b, h, f, a = seq_len / context, micro_batch, model.hidden_size, model.ffn_hidden_size, model.num_heads
     h_kv, e = model.kv_heads * model.head_dim, element_bytes
     if checkpointing == "full":
         return e * s * b * h / (tensor if sequence_parallel else 1)
     replicated = 4 * e * s * b * h + (2 * s * b * h if model.hidden_dropout > 0 else 0)
     core = 5 * a * s * s * b if scores_stored else 4 * a * s * b
     split = e * s * b * (h + 2 * h_kv) + e * s * b * h + 3 * e * s * b * f
+    if context > 1 and context_method == "all_to_all":
+        split += e * s * b * h  # attention's output before the exchange back
     if checkpointing == "none":
         split += core
     return (replicated / tensor if sequence_parallel else replicated) + split / tensor
+
+
+def context_attention_transients(config: Config) -> tuple[float, float]:
+    """(forward, backward) bytes of one layer's attention working set across the context split, beside
+    the kept activations (module docstring); zeros at context 1."""
+    model, par = config.model, config.parallel
+    if par.context == 1:
+        return 0.0, 0.0
+    s, b, e = config.data.seq_len / par.context, config.train.micro_batch_size, element_bytes(config)
+    h, h_kv, t = model.hidden_size, model.kv_heads * model.head_dim, par.tensor
+    if par.context_method == "all_to_all":
+        buffers = 2 * e * s * b * (h + 2 * h_kv) / t
+        return buffers, buffers
+    blocks = 2 * 2 * e * s * b * h_kv / t
+    return blocks + 4 * s * b * h / t, blocks + 2 * 8 * s * b * h_kv / t + 4 * s * b * h / t
 
 
 def korthikanti_gpt_layer_bytes(model: ModelConfig, seq_len: int, micro_batch: int) -> float:
@@ -242,7 +272,7 @@ class _OptimizerTerms:
 
 def _optimizer_terms(config: Config, world_size: int, kind: OptimizerKind, params: int,
                      largest: int) -> _OptimizerTerms:
-    d = max(config.data_parallel_size(world_size), 1)
+    d = max(config.shard_replicas(world_size), 1)  # ZeRO partitions over data × context
     e = element_bytes(config)
     flat = min(params, ENGINE_ALLREDUCE_BUCKET)  # what the engine's all-reduce flattens at once
     if kind is OptimizerKind.NONE:
@@ -276,7 +306,7 @@ def _loss_terms(config: Config, device: str) -> tuple[float, float, float]:
     fp32 log-probabilities, the final norm's input (split by sequence parallelism) and fp32 row
     statistic, and the head's input."""
     model, t = config.model, config.parallel.tensor
-    tokens, e = config.data.seq_len * config.train.micro_batch_size, element_bytes(config)
+    tokens, e = config.data.seq_len * config.train.micro_batch_size // config.parallel.context, element_bytes(config)
     vocab = model.padded_vocab_size(t) / t
     upcast_copy = 4 * tokens * vocab if e < 4 and (device == "cpu" or t > 1) else 0.0
     forward = e * tokens * vocab + upcast_copy
@@ -296,37 +326,44 @@ def memory_estimate(config: Config, world_size: int, device: str = "cuda") -> Me
     model, par = config.model, config.parallel
     tp, pp = par.tensor, par.pipeline
     dp = max(config.data_parallel_size(world_size), 1)
+    replicas = max(config.shard_replicas(world_size), 1)
     accumulation = max(config.grad_accumulation_steps(world_size), 1)
     zero, e = par.zero_stage, element_bytes(config)
     s, b = config.data.seq_len, config.train.micro_batch_size
+    local_tokens = s / par.context
     kind = optimizer_kind(config)
     largest = largest_tensor_elements(model, tp)
     loss_kept, loss_forward, loss_backward = _loss_terms(config, device)
+    ring_forward, ring_backward = context_attention_transients(config)
     stages = []
     for stage, layers in enumerate(stage_layer_counts(model.num_layers, pp, par.pipeline_boundaries)):
         params = stage_parameters(model, tp, pp, stage, layers)
         last = stage == pp - 1
         in_flight = min(pp - stage, accumulation) if pp > 1 else 1
-        per_layer = {mode: layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode, element_bytes=e)
+        per_layer = {mode: layer_activation_bytes(model, s, b, tp, par.sequence_parallel, mode, element_bytes=e,
+                                                  context=par.context, context_method=par.context_method)
                      for mode in CHECKPOINTING_MODES}
         activations = {mode: layers * per_layer[mode] * in_flight + (loss_kept if last else 0.0)
                        for mode in CHECKPOINTING_MODES}
         recompute = {mode: per_layer["none"] if mode == "full" and layers else 0.0 for mode in CHECKPOINTING_MODES}
         terms = _optimizer_terms(config, world_size, kind, params, largest)
         pipe_slots = max(2, min(pp - stage, accumulation)) if pp > 1 else 0
-        slot_bytes = (e * s * b * model.hidden_size / (tp if par.sequence_parallel else 1) if stage > 0 else 0.0) + (
-            e * s * b * model.padded_vocab_size(tp) / tp if last else 0.0)
+        slot_bytes = (e * local_tokens * b * model.hidden_size / (tp if par.sequence_parallel else 1)
+                      if stage > 0 else 0.0) + (e * local_tokens * b * model.padded_vocab_size(tp) / tp if last else 0.0)
+        attention_work = layers > 0
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=params,
-            weights=params * e / (dp if zero >= 3 else 1), optimizer=terms.optimizer,
+            weights=params * e / (replicas if zero >= 3 else 1), optimizer=terms.optimizer,
             persistent_buffers=terms.persistent_buffers, activations=activations,
-            forward_transient=loss_forward if last else 0.0, backward_transient=loss_backward if last else 0.0,
+            forward_transient=max(loss_forward if last else 0.0, ring_forward if attention_work else 0.0),
+            backward_transient=max(loss_backward if last else 0.0, ring_backward if attention_work else 0.0),
             recompute=recompute, gradients=terms.gradients, step=terms.step,
             gathered_weights=terms.gathered_weights, forward_gather=terms.forward_gather,
             accumulated_gradients=terms.accumulated_gradients if accumulation > 1 else 0.0,
             backward_buffers=terms.backward_buffers, pipe_buffers=pipe_slots * slot_bytes))
     return MemoryEstimate(checkpointing=config.train.activation_checkpointing, stages=stages,
-                          tensor=tp, pipeline=pp, data=dp, zero_stage=zero, optimizer_kind=kind, device=device)
+                          tensor=tp, pipeline=pp, data=dp, zero_stage=zero, optimizer_kind=kind, device=device,
+                          context=par.context)
 
 
 def gib(num_bytes: float) -> str:
@@ -364,8 +401,10 @@ class GpuAllowances:
 
 def gpu_allowances(config: Config, world_size: int) -> GpuAllowances:
     par = config.parallel
-    sizes = (par.tensor, par.pipeline, max(config.data_parallel_size(world_size), 1), world_size)
+    sizes = (par.tensor, par.pipeline, max(config.data_parallel_size(world_size), 1), par.context,
+             config.shard_replicas(world_size) if par.context > 1 else 1, world_size)
     communicators = sum(1 for size in sizes if size > 1)
-    attention_dq = 4 * config.data.seq_len * config.train.micro_batch_size * config.model.hidden_size / par.tensor
+    tokens = config.data.seq_len * config.train.micro_batch_size / par.context
+    attention_dq = 4 * tokens * config.model.hidden_size / par.tensor
     return GpuAllowances(cuda_context=0.6 * GIB, nccl=0.25 * GIB * communicators, allocator_fraction=0.10,
                          workspaces=32 * 2**20 + attention_dq)

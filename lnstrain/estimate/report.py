@@ -57,6 +57,7 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
         "world_size": world_size,
         "layout": {
             "tensor": memory.tensor, "pipeline": memory.pipeline, "data": memory.data,
+            "context": memory.context, "context_method": config.parallel.context_method,
             "zero_stage": memory.zero_stage, "sequence_parallel": config.parallel.sequence_parallel,
             "micro_batch_size": config.train.micro_batch_size,
             "grad_accumulation_steps": config.grad_accumulation_steps(world_size),
@@ -138,7 +139,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     ckpt = lay["activation_checkpointing"]
     lines = [
         f"Dry run of '{summary['run']}' on {summary['world_size']} rank(s)",
-        f"  layout: tensor {lay['tensor']} × pipeline {lay['pipeline']} × data {lay['data']}, ZeRO stage "
+        f"  layout: tensor {lay['tensor']} × pipeline {lay['pipeline']} × data {lay['data']}"
+        + (f" × context {lay['context']} ({lay['context_method']}, {bud['seq_len'] // lay['context']} tokens of each "
+           f"sequence per rank)" if lay["context"] > 1 else "") + ", ZeRO stage "
         f"{lay['zero_stage']}, sequence parallel {lay['sequence_parallel']}, micro-batch "
         f"{lay['micro_batch_size']} × {lay['grad_accumulation_steps']} accumulation steps, "
         f"activation checkpointing {ckpt}",

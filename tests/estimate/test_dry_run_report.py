@@ -16,9 +16,10 @@ from lnstrain.estimate.report import dry_run_report, dry_run_summary
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
-#: a realistic GPU count per shipped config: one 8-GPU node, 2 nodes for 7B (tensor 2 × pipeline 2)
-#: (the depth demo runs one CPU rank: its micro batch is the whole global batch)
-WORLD_SIZE = {"7b": 16, "demo_depth": 1, "demo": 2}
+#: a realistic GPU count per shipped config: one 8-GPU node, 2 nodes for 7B (tensor 2 × pipeline 2, and
+#: tensor 2 × context 2 at 32k tokens), 4 nodes for 7B at 128k tokens (tensor 2 × context 8, two replicas)
+#: (the depth demo runs one CPU rank: its micro batch is the whole global batch); the first prefix that matches
+WORLD_SIZE = {"7b_lns_128k": 32, "7b": 16, "demo_depth": 1, "demo": 2}
 
 
 def world_size_for(path: Path) -> int:
