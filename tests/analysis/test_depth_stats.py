@@ -8,6 +8,7 @@ from torch import nn
 
 from lnstrain.analysis.depth_stats import DepthStatsCollector, layer_profiles, stat_tag
 from lnstrain.model import language_model_loss
+from lnstrain.parallel.context import split_for_context
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.testing.distributed import run_distributed
 from tests.analysis.conftest import silence_layers, tiny_model, token_windows
@@ -139,11 +140,15 @@ def _stats_under_layouts(rank: int, world_size: int) -> dict[str, dict[str, floa
     results["pp2"] = collect_stats(model, windows, groups, module=stage, num_layers=None)
     groups = ParallelGroups.build(tensor=1, pipeline=1)
     assert groups.dp_size == 2
-    results["dp2_zero2"] = _stats_under_zero2(tiny_model(NUM_LAYERS, groups), windows[groups.dp_rank::2], groups)
+    mine = windows[groups.dp_rank::2]
+    results["dp2_zero2"] = _stats_under_zero2(tiny_model(NUM_LAYERS, groups), mine[:, :-1], mine[:, 1:], groups)
+    groups = ParallelGroups.build(tensor=1, pipeline=1, context=2)  # each rank: two chunks of every window
+    inputs, labels = (split_for_context(t, 1, groups) for t in (windows[:, :-1], windows[:, 1:]))
+    results["cp2_zero2"] = _stats_under_zero2(tiny_model(NUM_LAYERS, groups), inputs, labels, groups)
     return results
 
 
-def _stats_under_zero2(model, windows, groups) -> dict[str, float]:
+def _stats_under_zero2(model, inputs, labels, groups) -> dict[str, float]:
     """Gradients reduced and partitioned by DeepSpeed's ZeRO-2 engine, read before its step."""
     import deepspeed
 
@@ -152,11 +157,11 @@ def _stats_under_zero2(model, windows, groups) -> dict[str, float]:
     init_deepspeed_comm("gloo")
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), mpu=groups,
-        config={"train_micro_batch_size_per_gpu": len(windows), "gradient_accumulation_steps": 1,
+        config={"train_micro_batch_size_per_gpu": len(inputs), "gradient_accumulation_steps": 1,
                 "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True})
     collector = DepthStatsCollector(model, groups, interval=5, num_layers=NUM_LAYERS)
     collector.arm()
-    engine.backward(model.loss(windows[:, :-1], windows[:, 1:]))
+    engine.backward(model.loss(inputs, labels))
     assert all(p.grad is None for p in model.layers.parameters())  # only ZeRO's partitions hold them
     collector.read_parameter_grads()
     return collector.collect(step=5)
@@ -166,7 +171,7 @@ def _stats_under_zero2(model, windows, groups) -> dict[str, float]:
 def test_stats_are_independent_of_the_parallel_layout():
     reference = collect_stats(tiny_model(NUM_LAYERS), token_windows(count=4))
     per_rank = run_distributed(_stats_under_layouts, 2, timeout_s=240)
-    for layout in ("tp2", "tp2_sp", "pp2", "dp2_zero2"):
+    for layout in ("tp2", "tp2_sp", "pp2", "dp2_zero2", "cp2_zero2"):
         assert per_rank[0][layout] == per_rank[1][layout]
         assert_stats_close(per_rank[0][layout], reference)
     assert all(math.isfinite(v) and v > 0 for v in reference.values())

@@ -104,3 +104,39 @@ def test_heads_that_cannot_be_split_are_one_problem_not_one_per_key_the_user_nev
     model["num_kv_heads"] = 2  # set by the user: its own line
     problems = config_from_dict({**TINY, "model": model, "parallel": {"tensor": 3}}).validate(world_size=3)
     assert "model.num_kv_heads (2) must divide or be divisible by parallel.tensor (3)" in problems
+
+
+CONTEXT_WORLD = "world size 6 is not divisible by parallel.tensor × parallel.pipeline × parallel.context (1 × 1 × 4)"
+CHUNKS = "data.seq_len (12) must be divisible by 2 × parallel.context (8)"
+SP_SHARE = "data.seq_len / parallel.context (8) must be divisible by parallel.tensor (16) with sequence parallelism"
+ALL_TO_ALL = "parallel.context_method all_to_all needs the query heads (4) and key/value heads (2) of each tensor rank " \
+             "divisible by parallel.context (4)"
+DROPOUT = "model.attention_dropout (0.1) must be 0 with parallel.context > 1"
+COMPILE = "train.compile: true with parallel.context > 1"
+
+
+@pytest.mark.parametrize("parallel, model, data, train, world_size, expected", [
+    ({"context": 4}, {}, {"seq_len": 12}, {}, 6, [CONTEXT_WORLD, CHUNKS]),
+    ({"context": 2, "tensor": 16, "sequence_parallel": True}, {"num_heads": 16, "num_kv_heads": 16, "hidden_size": 64},
+     {"seq_len": 16}, {}, 32, [SP_SHARE]),
+    ({"context": 4, "context_method": "all_to_all"}, {"attention_dropout": 0.1}, {"seq_len": 16}, {"compile": True},
+     4, [ALL_TO_ALL, DROPOUT, COMPILE]),
+])
+def test_context_parallelism_is_refused_before_launch_where_it_cannot_run(parallel, model, data, train, world_size,
+                                                                          expected):
+    config = config_from_dict({**TINY, "parallel": parallel, "model": {"preset": "tiny", **model},
+                               "data": {**data, "sources": [{"prefix": "tokens"}]}, "train": {**TINY["train"], **train}})
+    problems = config.validate(world_size=world_size, check_files=False)
+    for says in expected:
+        assert sum(says in problem for problem in problems) == 1, (says, problems)
+    assert len(problems) == len(expected), problems
+
+
+def test_context_parallelism_within_its_rules_is_accepted_and_deepspeed_counts_data_times_context():
+    config = config_from_dict({**TINY, "parallel": {"context": 4, "context_method": "all_to_all", "zero_stage": 1},
+                               "model": {"preset": "tiny", "num_heads": 8, "num_kv_heads": 4, "hidden_size": 64},
+                               "data": {"seq_len": 16, "sources": [{"prefix": "tokens"}]}})
+    assert config.validate(world_size=8, check_files=False) == []
+    assert (config.data_parallel_size(8), config.shard_replicas(8)) == (2, 8)
+    assert deepspeed_config(config, world_size=8)["train_batch_size"] == 8 * 4  # DeepSpeed's ranks: data × context
+    assert group_layout_problems(8, 1, 1, 4) == []

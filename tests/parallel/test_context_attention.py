@@ -110,3 +110,32 @@ def test_chunks_are_load_balanced_and_cover_the_sequence():
     assert len(set(work)) == 1
     with pytest.raises(ValueError, match="divisible by 8"):
         chunk_ranges(36, 4, 0)
+
+
+def _ring_with_a_silent_peer(rank: int, world_size: int) -> str:
+    """Rank 1 takes part in the forward ring, then stops answering (a hung or unreachable machine)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.parallel.ring_attention import ring_attention
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=5))  # train.collective_timeout_minutes
+    groups = ParallelGroups(cp_size=2, cp_rank=rank, cp_group=group, cp_ranks=(0, 1))
+    q, k, v, grad = (split_for_context(t, 2, groups).clone().requires_grad_() for t in _inputs(4, 2))
+    out = ring_attention(q, k, v, groups)
+    if rank == 1:
+        time.sleep(600)  # never reaches the backward ring; the harness kills it once rank 0 has failed
+    out.backward(grad)
+    return "the backward ring finished without its peer"
+
+
+@pytest.mark.multirank
+def test_a_silent_peer_ends_the_ring_through_the_collective_timeout():
+    with pytest.raises(RuntimeError) as failure:  # not the harness's TimeoutError: rank 0 failed by itself
+        run_distributed(_ring_with_a_silent_peer, 2, timeout_s=120)
+    message = str(failure.value)
+    assert "rank 0 of 2 failed" in message and "ring_attention.py" in message, message
+    assert "timed out" in message.lower() or "timeout" in message.lower(), message
