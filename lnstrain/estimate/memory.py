@@ -348,8 +348,9 @@ def memory_estimate(config: Config, world_size: int, device: str = "cuda") -> Me
         recompute = {mode: per_layer["none"] if mode == "full" and layers else 0.0 for mode in CHECKPOINTING_MODES}
         terms = _optimizer_terms(config, world_size, kind, params, largest)
         pipe_slots = max(2, min(pp - stage, accumulation)) if pp > 1 else 0
-        slot_bytes = (e * local_tokens * b * model.hidden_size / (tp if par.sequence_parallel else 1)
-                      if stage > 0 else 0.0) + (e * local_tokens * b * model.padded_vocab_size(tp) / tp if last else 0.0)
+        received = e * local_tokens * b * model.hidden_size / (tp if par.sequence_parallel else 1)
+        logits = e * local_tokens * b * model.padded_vocab_size(tp) / tp
+        slot_bytes = (received if stage > 0 else 0.0) + (logits if last else 0.0)
         attention_work = layers > 0
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=params,

@@ -1,8 +1,8 @@
 """How the model becomes parallel, in two calls that every rank makes in the same order.
 
 1. ``build_groups(config)``: every process group the run communicates over (``ParallelGroups.build``):
-   tensor, context, pipeline and data groups (and data × context), the blocks of tensor ranks that share a replicated key/value
-   head (``attention.kv_head_copies``), and DeepSpeed's communication layer.
+   tensor, context, pipeline and data groups (and data × context), the blocks of tensor ranks that share
+   a replicated key/value head (``attention.kv_head_copies``), and DeepSpeed's communication layer.
 2. ``build_model(config, groups)``: this rank's share of the model, creating none of those groups
    (DeepSpeed's ``PipelineModule`` builds its own grid of them, checked against ours). Tensor
    parallelism is inside the layers (``parallel.layers``: each rank holds its shard of the

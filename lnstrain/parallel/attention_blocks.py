@@ -117,8 +117,8 @@ def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     heads, kv_heads = q.shape[1], k.shape[1]
     cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused = aux
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, _expanded(k, heads), _expanded(v, heads), out, lse, cum_seq_q, cum_seq_k, max_q, max_k,
-        0.0, causal, rng_state, unused, scale=scale)
+        grad_out, q, _expanded(k, heads), _expanded(v, heads), out, lse.contiguous(), cum_seq_q, cum_seq_k,
+        max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
     if heads != kv_heads:
         b, _, sk, d = dk.shape
         dk = dk.reshape(b, kv_heads, heads // kv_heads, sk, d).sum(dim=2)
@@ -136,19 +136,23 @@ def flash_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the flash path runs on ``device`` and agrees with the reference in ``dtype`` (forward and
     backward, causal and not, grouped-query heads), within that dtype's rounding."""
     generator = torch.Generator().manual_seed(0)
-    b, hq, hkv, sq, sk, d = 1, 4, 2, 48, 64, 64
-    q, k, v = (torch.randn(*shape, generator=generator).to(device, dtype)
-               for shape in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
-    grad = torch.randn(b, hq, sq, d, generator=generator).to(device, dtype)
+    b, hq, hkv, s, d = 1, 4, 2, 64, 64
+
+    def model_layout(heads: int) -> torch.Tensor:  # [b, s, heads, d] memory, as the projections give it
+        return torch.randn(b, s, heads, d, generator=generator).to(device, dtype).transpose(1, 2)
+
+    q, k, v, grad = model_layout(hq), model_layout(hkv), model_layout(hkv), model_layout(hq)
     scale = 1 / math.sqrt(d)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    try:
-        for causal, keys in ((False, slice(None)), (True, slice(0, sq))):
-            k_block, v_block = k[:, :, keys].contiguous(), v[:, :, keys].contiguous()
-            out, lse, aux = flash_forward(q, k_block, v_block, causal, scale)
-            ref_out, ref_lse = reference_forward(q, k_block, v_block, causal, scale)
-            grads = flash_backward(grad, q, k_block, v_block, out, lse, causal, scale, aux)
-            ref_grads = reference_backward(grad, q, k_block, v_block, out, lse, causal, scale)
+    half = slice(s // 2, None)
+    try:  # the ring's three kinds of block: its own (causal), early keys, late queries
+        for causal, rows, keys in ((True, slice(None), slice(None)), (False, slice(None), slice(None, s // 2)),
+                                   (False, half, slice(None))):
+            block = (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+            out, lse, aux = flash_forward(*block, causal, scale)
+            ref_out, ref_lse = reference_forward(*block, causal, scale)
+            grads = flash_backward(grad[:, :, rows], *block, out, lse, causal, scale, aux)
+            ref_grads = reference_backward(grad[:, :, rows], *block, out, lse, causal, scale)
             pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
             worst = max(float((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in pairs)
             if not worst < tolerance:

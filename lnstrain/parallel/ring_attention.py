@@ -118,7 +118,8 @@ class _RingAttention(torch.autograd.Function):
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's normalised output and log-sum-exp into the running ones (views, in place)."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 
 

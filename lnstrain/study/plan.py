@@ -81,7 +81,8 @@ class PlannedRun:
         if self.choice:
             cfg, gpus = self.choice.config, self.choice.gpus
             row.update(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
-                       data=cfg.data_parallel_size(gpus), zero_stage=cfg.parallel.zero_stage,
+                       data=cfg.data_parallel_size(gpus), context=cfg.parallel.context,
+                       zero_stage=cfg.parallel.zero_stage,
                        micro_batch=cfg.train.micro_batch_size, accumulation=cfg.grad_accumulation_steps(gpus),
                        recompute=cfg.train.activation_checkpointing,
                        memory_gib=round(self.choice.memory.total / GIB, 2),
@@ -134,7 +135,8 @@ def format_plan(study: Study, planned: list[PlannedRun], speed: SpeedAssumption 
         if p.choice:
             r = p.row()
             per_node = r["snapshot_host_gib"] * min(p.gpus, cluster.gpus_per_node)
-            layout = (f"{r['tensor']}×{r['pipeline']}×{r['data']} | {r['zero_stage']} | "
+            context = f", context {r['context']}" if r["context"] > 1 else ""
+            layout = (f"{r['tensor']}×{r['pipeline']}×{r['data']}{context} | {r['zero_stage']} | "
                       f"{r['micro_batch']}×{r['accumulation']} | {r['recompute']} | {r['memory_gib']:.1f} | "
                       f"{per_node:.1f}")
         else:

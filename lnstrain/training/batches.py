@@ -78,7 +78,8 @@ def weigh_micro_batches(micro_batches: list[MicroBatch], groups: ParallelGroups,
         dist.all_reduce(counted, group=groups.dp_group)
         total = counted.item()
     scale = len(micro_batches) * groups.dcp_size / total if total > 0 else 0.0
-    weighted = [WeightedMicroBatch(*(split_for_context(t, 1, groups).to(device) for t in (inputs, labels, mask * scale)))
+    weighted = [WeightedMicroBatch(*(split_for_context(tensor, 1, groups).to(device)
+                                     for tensor in (inputs, labels, mask * scale)))
                 for inputs, labels, mask in split]
     return weighted, total
 

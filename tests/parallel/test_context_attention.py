@@ -3,8 +3,9 @@
 One 4-rank spawn checks ring attention at context 4 and at context 2 (two data replicas), and the
 all-to-all form at context 2 and 4, with grouped-query heads, in fp32 on CPU/gloo: every rank's
 output and its gradients of q, k, v (gathered back into sequence order) within 1e-5 relative of
-``F.scaled_dot_product_attention`` on one process. The block kernels and the chunk layout are
-checked without ranks.
+``F.scaled_dot_product_attention`` on one process. The block kernels, the chunk layout and the ring
+at 2, 3 and 4 ranks as threads of one process (``virtual_ring``) are checked without ranks; a peer
+that stops answering mid-ring fails the other rank at the group's timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from lnstrain.parallel.attention_blocks import reference_backward, reference_forward
 from lnstrain.parallel.context import chunk_ranges, natural_order, split_for_context
 from lnstrain.testing.distributed import run_distributed
+from tests.parallel.virtual_ring import virtual_ring
 
 BATCH, SEQ, HEAD_DIM = 2, 32, 8
 
@@ -97,6 +99,15 @@ def test_reference_blocks_match_sdpa(causal):
     assert _relative(lse, torch.logsumexp(scores, -1)) < 1e-6
     grads = reference_backward(grad, q, k, v, out, lse, causal, 1 / math.sqrt(HEAD_DIM))
     for mine, reference in zip(grads, (q_.grad, k_.grad, v_.grad)):
+        assert _relative(mine, reference) < 1e-5
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ring_of_threads_matches_sdpa(size, monkeypatch):
+    """The ring's own forward and backward for 2, 3 and 4 ranks in one process (mailboxes for the exchanges)."""
+    q, k, v, grad = _inputs(4, 2)
+    q, k, v, grad = (t[:, :, :24] for t in (q, k, v, grad))
+    for mine, reference in zip(virtual_ring(q, k, v, grad, size, monkeypatch), _sdpa_reference(q, k, v, grad)):
         assert _relative(mine, reference) < 1e-5
 
 

@@ -1,5 +1,6 @@
 """Study planning (layouts, refusals) and SLURM scripts run against a faked SLURM environment."""
 
+import dataclasses
 import os
 import stat
 import subprocess
@@ -250,3 +251,18 @@ def test_run_without_launching_writes_each_unfinished_runs_config(tmp_path, monk
     written = load_config(results[1].detail)
     assert (written.run.name, written.model.norm_scheme.value, written.train.steps) == (planned[1].run.name, "lns", 6)
     assert not (finished / "study_config.yaml").exists()
+
+
+def test_the_plan_splits_a_long_sequence_over_context_ranks_before_recomputing_it():
+    study = load_study(STUDIES / "lns_7b.yaml")
+    config = compose_run_config(study, "7b", "lns", 1)
+    short = choose_layout(config, 16, A100).config
+    assert short.parallel.context == 1
+    long = config.replace(data=dataclasses.replace(config.data, seq_len=131072),
+                          model=dataclasses.replace(config.model, max_seq_len=131072),
+                          train=dataclasses.replace(config.train, micro_batch_size=1, global_batch_size=16))
+    choice = choose_layout(long, 32, A100)  # tensor 8 alone does not fit at 128k tokens without recomputation
+    parallel = choice.config.parallel
+    assert parallel.context > 1 and choice.config.train.activation_checkpointing != "full", parallel
+    assert 131072 // parallel.context >= 4096 and choice.memory.total <= 80 * 0.85 * 2**30
+    assert choice.memory.context == parallel.context
