@@ -48,6 +48,8 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.register_buffer("cos_cached", None, persistent=False)
         self.register_buffer("sin_cached", None, persistent=False)
+        self._chunk_tables: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """(positions, device, dtype) and their cos and sin: a context rank's two chunks (``tables_at``)."""
 
     def tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions 0..seq_len-1, shaped [seq_len, 1, head_dim]."""
@@ -72,9 +74,15 @@ class RotaryEmbedding(nn.Module):
         """cos and sin for the tokens at ``positions`` (consecutive ranges), shaped [tokens, 1, head_dim]."""
         if len(positions) == 1 and positions[0].start == 0:
             return self.tables(len(positions[0]), device, dtype)
-        cos, sin = self.tables(max(r.stop for r in positions), device, dtype)
-        return (torch.cat([cos[r.start:r.stop] for r in positions]),
-                torch.cat([sin[r.start:r.stop] for r in positions]))
+        key = (tuple((r.start, r.stop) for r in positions), device, dtype)
+        if self._chunk_tables is None or self._chunk_tables[0] != key or torch.compiler.is_compiling():
+            cos, sin = self.tables(max(r.stop for r in positions), device, dtype)
+            tables = (torch.cat([cos[r.start:r.stop] for r in positions]),
+                      torch.cat([sin[r.start:r.stop] for r in positions]))
+            if torch.compiler.is_compiling():
+                return tables
+            self._chunk_tables = (key, tables)
+        return self._chunk_tables[1]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: Sequence[range] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
