@@ -109,3 +109,20 @@ def test_1b_activations_at_seq_2048_traced_on_fake_tensors():
     cuda = memory_estimate(config, 1, device="cuda").stages[0]
     upcast = 4 * config.data.seq_len * config.train.micro_batch_size * config.model.padded_vocab_size(1)
     assert cpu.forward_transient - cuda.forward_transient == upcast
+
+
+@pytest.mark.multirank
+def test_context_parallel_activations_are_the_estimate_and_half_of_one_ranks():
+    """``benchmark.context_memory`` (``tools/benchmark_context.py``, which also measures all-to-all and
+    context 4) at a small shape: what each of 2 ring ranks keeps for backward, and one rank, within 10%
+    of the estimate; the ring's half of one rank's."""
+    from lnstrain.benchmark.context_memory import measure_context_memory
+
+    config = config_from_dict({**SMALL, "data": {**SMALL["data"], "seq_len": 1024},
+                               "model": {**SMALL["model"], "max_seq_len": 1024, "num_layers": 2},
+                               "train": {**SMALL["train"], "micro_batch_size": 1}, "precision": {"dtype": "fp32"}})
+    whole = measure_context_memory(config, 1)
+    points = [whole, measure_context_memory(config, 2, "ring")]
+    for point in points:
+        assert abs(point.ratio - 1) < 0.10, point
+    assert points[1].kept == pytest.approx(whole.kept / 2, rel=0.02)
