@@ -75,8 +75,9 @@ PLAN: tuple[Item, ...] = (
                                          "--profile-steps", "1")),
          needs_engine=True),
     Item("core_tests", 1, 110, "tests", "(d)",
-         "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, bf16 GPU against fp32 "
-         "CPU engine steps, resume bit for bit on the GPU, the HF export",
+         "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, ring attention on "
+         "FlashAttention's kernels, bf16 GPU against fp32 CPU engine steps, resume bit for bit on the GPU, the HF "
+         "export",
          ("-m", "gpu and gpu_core", "tests/gpu")),
     Item("1b_lns_vs_pre_ln", 1, 75, "benchmark", "(e)",
          "LNS against Pre-LN on one engine in the training layout, its norms' LNS factors switched between "

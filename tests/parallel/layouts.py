@@ -148,7 +148,7 @@ def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[st
         result = engine.train_step(batches, before_optimizer_step=capture if step == 0 else None)
         results.append(result)
     eval_loss = engine.eval_loss(rank_micro_batches(steps, groups.dp_rank, groups.dp_size))
-    keep_gradients = groups.dp_rank == 0 and groups.tp_rank == 0 and groups.cp_rank == 0  # one copy of each
+    keep_gradients = groups.dcp_rank == 0 and groups.tp_rank == 0  # one copy of each gradient
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "lrs": [r.lr for r in results], "skipped": [r.skipped for r in results], "eval_loss": eval_loss,
             "gradients": captured if keep_gradients else {}, "factors": layer_factors(engine.module),

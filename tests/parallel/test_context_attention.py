@@ -133,7 +133,7 @@ def _ring_with_a_silent_peer(rank: int, world_size: int) -> str:
     from lnstrain.parallel.groups import ParallelGroups
     from lnstrain.parallel.ring_attention import ring_attention
 
-    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=5))  # train.collective_timeout_minutes
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))  # train.collective_timeout_minutes
     groups = ParallelGroups(cp_size=2, cp_rank=rank, cp_group=group, cp_ranks=(0, 1))
     q, k, v, grad = (split_for_context(t, 2, groups).clone().requires_grad_() for t in _inputs(4, 2))
     out = ring_attention(q, k, v, groups)

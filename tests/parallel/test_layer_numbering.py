@@ -1,9 +1,10 @@
 """Layer numbering (docs/architecture.md): the set {(layer number, LNS factor)} over all ranks equals
 the single-process model's, for pipeline 1, 2 and 4, tied and untied embeddings, even and uneven
-splits; and under ``lns_gain_init`` every rank's pre-sublayer gains start at 1/sqrt(global layer number).
+splits, and with context parallelism; and under ``lns_gain_init`` every rank's pre-sublayer gains start at
+1/sqrt(global layer number).
 
 One 4-rank spawn builds every pipeline layout (the stages only; no engine) and reports each rank's
-(layer number, factor) pairs. Beyond the set, each pipeline replica (one data and tensor coordinate)
+(layer number, factor) pairs. Beyond the set, each pipeline replica (one data, context and tensor coordinate)
 must hold every layer exactly once, and explicit boundaries must put the layers where they say.
 """
 
@@ -28,6 +29,7 @@ PIPELINE_LAYOUTS = [
     Layout("pp4_tied_even", pipeline=4, tied=True, boundaries=(2, 2, 2, 2)),
     Layout("pp4_tied_uneven", pipeline=4, tied=True, boundaries=(1, 3, 3, 1)),
     Layout("pp4_untied_uneven", pipeline=4, boundaries=(3, 1, 1, 3)),
+    Layout("pp2_context2", pipeline=2, context=2),
 ]
 
 
@@ -37,10 +39,11 @@ def numbering_worker(rank: int, world_size: int, layouts: list[Layout]) -> dict[
     results = {}
     for layout in layouts:
         config = make_config(layout, num_layers=NUM_LAYERS)
-        groups = ParallelGroups.build(layout.tensor, layout.pipeline)
+        groups = ParallelGroups.build(layout.tensor, layout.pipeline, context=layout.context)
         module = build_model(config, groups)
         gathered = [None] * world_size
-        dist.all_gather_object(gathered, (groups.pp_rank, groups.dp_rank, groups.tp_rank, layer_factors(module)))
+        dist.all_gather_object(gathered, (groups.pp_rank, (groups.dp_rank, groups.cp_rank, groups.tp_rank),
+                                          layer_factors(module)))
         results[layout.name] = gathered
         gain_config = make_config(layout, num_layers=NUM_LAYERS)
         gain_config.model.norm_scheme = NormScheme.LNS_GAIN_INIT
@@ -73,13 +76,13 @@ def test_reference_factors_are_one_over_sqrt_layer_number():
 def test_pipeline_layer_factors_equal_reference(numbering, layout):
     ranks = numbering[layout.name]
     assert {pair for *_, pairs in ranks for pair in pairs} == reference_factors(layout.tied)
-    replicas: dict[tuple[int, int], list[int]] = {}
-    for pp_rank, dp_rank, tp_rank, pairs in ranks:
-        replicas.setdefault((dp_rank, tp_rank), []).extend(number for number, _ in pairs)
+    replicas: dict[tuple[int, int, int], list[int]] = {}
+    for _, replica, pairs in ranks:
+        replicas.setdefault(replica, []).extend(number for number, _ in pairs)
     for numbers in replicas.values():  # each pipeline replica holds every layer exactly once
         assert sorted(numbers) == list(range(1, NUM_LAYERS + 1))
     if layout.boundaries:
-        per_stage = {pp_rank: sorted(n for n, _ in pairs) for pp_rank, _, _, pairs in ranks}
+        per_stage = {pp_rank: sorted(n for n, _ in pairs) for pp_rank, _, pairs in ranks}
         first = 1
         for stage, count in enumerate(layout.boundaries):
             assert per_stage[stage] == list(range(first, first + count)), per_stage

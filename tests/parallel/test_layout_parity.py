@@ -15,8 +15,8 @@ and at tensor 4 with each KV head shared by 2 ranks (a sub-group of the tensor g
 
 Context parallelism (each sample's 16 tokens cut into load-balanced chunks, exact attention across
 them) runs at context 2 (ring at ZeRO 0 with lnstrain's clipping, all-to-all at ZeRO 1, ring at
-ZeRO 3) and at context 4, and context 2 with tensor 2 (sequence parallel), with pipeline 2, and with
-data 2 (ZeRO 2), under the same tolerances.
+ZeRO 3) and at context 4, and context 2 with tensor 2 (sequence parallel, selective recomputation),
+with pipeline 2 (full recomputation), and with data 2 (ZeRO 2), under the same tolerances.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ FOUR_RANKS = [
     Layout("tp2_sp_dp2_zero3_replicated_kv", tensor=2, zero_stage=3, sequence_parallel=True, kv_heads=1,
            fused_qkv=False),  # ZeRO-3 gathers the norm gains the block hands on as stand-ins
     Layout("cp4_ring_zero1", context=4, zero_stage=1),
-    Layout("cp2_tp2_sp_zero1", context=2, tensor=2, sequence_parallel=True, zero_stage=1),
-    Layout("cp2_pp2_zero1", context=2, pipeline=2, zero_stage=1),
+    Layout("cp2_tp2_sp_zero1_selective", context=2, tensor=2, sequence_parallel=True, zero_stage=1,
+           checkpointing="selective"),  # the ring recomputed in backward
+    Layout("cp2_pp2_zero1_checkpointed", context=2, pipeline=2, zero_stage=1, checkpointing="full"),
     Layout("cp2_dp2_zero2", context=2, zero_stage=2),
 ]
 EXACT = [layout for layout in TWO_RANKS + FOUR_RANKS if layout.dtype == "fp32"]
