@@ -35,6 +35,7 @@ from lnstrain.run_files import RUN_LOCK_FILE
 logger = logging.getLogger(__name__)
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_TRIES = 10
 
 
 class RunDirectoryInUse(RuntimeError):
@@ -112,7 +113,7 @@ def _open_lock_file(lock_path: Path) -> int:
     would change."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     shown = escaped(lock_path)
-    while True:
+    for _ in range(_TRIES):
         try:
             return os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -136,6 +137,8 @@ def _open_lock_file(lock_path: Path) -> int:
         os.close(descriptor)
         raise _NotOurLockFile(f"{shown} {problem}; lnstrain's lock file is a regular file of the trainer's user "
                               "with no other name: remove it")
+    raise _NotOurLockFile(f"{shown} appeared and disappeared {_TRIES} times while the trainer opened it: something "
+                          "else is creating and removing it")
 
 
 class DirectoryLock:
