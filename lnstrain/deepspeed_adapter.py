@@ -48,7 +48,10 @@ Internals (no stability promise):
 * ``BF16_Optimizer`` and the engine's ``_load_zero_checkpoint``: resuming bf16 with pipeline stages
   at ZeRO 0, which DeepSpeed's own ``load_checkpoint`` cannot (``load_checkpoint_files``);
 * the record classes DeepSpeed pickles into its checkpoint files: ``fragment_address``,
-  ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``.
+  ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``;
+* the engine's ``_copy_recovery_script`` (``zero_to_fp32.py`` and ``zero_to_torch.py`` copied into the
+  checkpoint directory at every ZeRO save, and made executable), replaced on the instance by
+  ``write_recovery_scripts_fresh``.
 
 DeepSpeed is imported inside the functions: importing it takes seconds, and it must not happen
 before ``lnstrain.parallel.deepspeed_comm`` has chosen the accelerator. ``tests/test_deepspeed_boundary.py``
@@ -368,6 +371,27 @@ def torch_save_zip_format(file_io: CheckpointFileIO) -> bool | None:
     if type(file_io) is not TorchCheckpointEngine:
         return None
     return file_io.zipfile_serialization
+
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+"""What DeepSpeed's ZeRO saves copy into the checkpoint directory (``_copy_recovery_script``)."""
+
+
+def write_recovery_scripts_fresh(engine: DeepSpeedEngine, write_fresh: Callable[[str, bytes], None]) -> None:
+    """Make ``engine``'s ZeRO saves write DeepSpeed's recovery scripts through ``write_fresh(path,
+    data)`` (a new executable file renamed into place) instead of DeepSpeed's ``copyfile`` and
+    ``chmod`` of the path, which write through a link planted under that name and make its target
+    executable."""
+    import deepspeed
+
+    source = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
+
+    def copy_recovery_scripts(save_path: str) -> None:
+        for script in RECOVERY_SCRIPTS:
+            with open(os.path.join(source, script), "rb") as handle:
+                write_fresh(os.path.join(save_path, script), handle.read())
+
+    engine._copy_recovery_script = copy_recovery_scripts
 
 
 def pickled_record_classes() -> list[type]:

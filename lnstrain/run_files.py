@@ -36,6 +36,8 @@ import json
 from pathlib import Path
 from typing import TypedDict
 
+from lnstrain.no_follow import read_regular_file
+
 RUN_CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -76,8 +78,8 @@ class FinalMetrics(TypedDict):
 def read_final_metrics(run_dir: str | Path) -> dict | None:
     """``final_metrics.json`` of ``run_dir`` as written, or None when it is missing or not a JSON object.
     Its values are not checked: the caller takes what it needs."""
-    try:
-        metrics = json.loads((Path(run_dir) / FINAL_METRICS_FILE).read_text(encoding="utf-8"))
+    try:  # not through a link, nor a file with other names (no_follow)
+        metrics = json.loads(read_regular_file(Path(run_dir) / FINAL_METRICS_FILE, 1 << 16))
     except (OSError, ValueError):
         return None
     return metrics if isinstance(metrics, dict) else None

@@ -17,7 +17,11 @@ completion marker, signed with a throw-away key). It also times the finiteness c
 of the saved files alone, the pre-launch check's quick verification (marker, listing, sizes,
 metadata) and the resume's full verification (size and SHA-256 of each file, the pickle scan) twice:
 right after the save (page cache warm) and after asking the kernel to drop the files' cached pages
-(posix_fadvise DONTNEED: a cold read, as after a restart on another node). Prints the medians of
+(posix_fadvise DONTNEED: a cold read, as after a restart on another node). Then what issue 41's
+checks cost: a forged marker that lists a 50 GiB sparse file, verified with the key (the signature
+is checked before anything it lists is read) and without (the sizes listed are compared before any
+file is hashed), and the pickle scan of every .pt file, in torch's zip format as saved and re-saved in
+its legacy format (each of the five pickles walked opcode by opcode). Prints the medians of
 wall-clock and process CPU time (all threads; the steadier of the two on a shared machine), and
 each as a fraction of DeepSpeed's save. Files are deleted after each save.
 
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from lnstrain.checkpoint.integrity import file_record
     from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
     from lnstrain.checkpoint.metadata import fsync_tree
+    from lnstrain.checkpoint.safe_load import scan
     from lnstrain.checkpoint.signing import read_signing_key
     from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir
     from lnstrain.config.run_config import load_config
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trust = Trust(key=read_signing_key(key_file))
     plain, checked, finite, hashing, quick, warm, cold, sizes = [], [], [], [], [], [], [], []
+    forged, resized, zip_scan, legacy_scan = [], [], [], []
     for repeat in range(args.repeats):
         plain_dir = directory / f"plain{repeat}"
 
@@ -158,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         drop_cached_pages(step_dir)
         cold.append(timed(lambda: check_step_dir(step_dir, trust)))
         sizes.append(sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file()))
+        forged_time, resized_time = forged_marker_checks(step_dir, trust)
+        forged.append(forged_time)
+        resized.append(resized_time)
+        pickles = [p for p in files if p.suffix == ".pt"]
+        zip_scan.append(timed(lambda: [scan(p) for p in pickles]))
+        legacy = legacy_copies(pickles, directory / "legacy")
+        legacy_scan.append(timed(lambda: [scan(p) for p in legacy]))
+        shutil.rmtree(directory / "legacy")
         shutil.rmtree(step_dir)
 
     key_file.unlink()
@@ -166,17 +180,60 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("DeepSpeed save + fsync", plain), ("lnstrain save (all checks)", checked),
             ("  finiteness check alone", finite), ("SHA-256 of the files alone", hashing),
             ("pre-launch check (quick)", quick), ("resume verification, warm", warm),
-            ("resume verification, cold", cold)]
+            ("resume verification, cold", cold), ("forged marker, 50 GiB, key", forged),
+            ("forged marker, 50 GiB, no key", resized), ("pickle scan, zip format", zip_scan),
+            ("pickle scan, legacy format", legacy_scan)]
     print(f"{args.config} {' '.join(args.overrides)}: {parameters / 1e6:.1f}M parameters, {config.precision.dtype}, "
           f"ZeRO-{config.parallel.zero_stage}, 1 rank; checkpoint {gib:.2f} GiB; medians of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"  {'':<28}{'wall s':>9}{'CPU s':>9}{'wall/DS save':>14}{'CPU/DS save':>13}")
+    print(f"  {'':<31}{'wall s':>9}{'CPU s':>9}{'wall/DS save':>14}{'CPU/DS save':>13}")
     base_wall, base_cpu = (statistics.median(v[i] for v in plain) for i in (0, 1))
     for label, values in rows:
         wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
         rate = f"   {gib / wall:.2f} GiB/s" if label.startswith(("resume", "SHA")) else ""
-        print(f"  {label:<28}{wall:9.2f}{cpu:9.2f}{wall / base_wall:14.2f}{cpu / base_cpu:13.2f}{rate}")
+        print(f"  {label:<31}{wall:9.3f}{cpu:9.3f}{wall / base_wall:14.3f}{cpu / base_cpu:13.3f}{rate}")
     return 0
+
+
+def forged_marker_checks(step_dir: Path, trust) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(time of ``check_step_dir`` with ``trust``'s key, time without a key) of ``step_dir`` with a
+    50 GiB sparse file planted and listed in its marker, as an attacker without the key would: the
+    key's check must not read it; without the key its size, listed wrong, must not be hashed. The
+    checkpoint is put back afterwards."""
+    import json
+
+    from lnstrain.checkpoint.metadata import COMPLETE_MARKER
+    from lnstrain.checkpoint.verifier import Trust, check_step_dir
+
+    marker, huge = step_dir / COMPLETE_MARKER, step_dir / "zero_pp_rank_9_mp_rank_00_optim_states.pt"
+    saved = marker.read_bytes()
+    content = json.loads(saved)
+    with open(huge, "wb") as handle:
+        handle.truncate(50 << 30)
+    try:
+        content["files"][huge.name] = {"size": 50 << 30, "sha256": "0" * 64, "rank": 0}
+        marker.write_text(json.dumps(content))
+        with_key = timed(lambda: check_step_dir(step_dir, trust))
+        content["files"][huge.name]["size"] = 1 << 30
+        marker.write_text(json.dumps(content))
+        without_key = timed(lambda: check_step_dir(step_dir, Trust()))
+    finally:
+        huge.unlink()
+        marker.write_bytes(saved)
+    return with_key, without_key
+
+
+def legacy_copies(pickles: list[Path], directory: Path) -> list[Path]:
+    """``pickles`` re-saved in torch's legacy (non-zip) format under ``directory``."""
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for number, path in enumerate(pickles):
+        copy = directory / f"{number}.pt"
+        torch.save(torch.load(path, map_location="cpu", weights_only=False), copy, _use_new_zipfile_serialization=False)
+        copies.append(copy)
+    return copies
 
 
 def background_saves(args: argparse.Namespace, config, engine, manager) -> int:

@@ -3,13 +3,15 @@
 
     python tools/benchmark_data.py                  # everything (about a minute on 2 cores)
     python tools/benchmark_data.py --skip-index     # without the 10B-token index build
+    python tools/benchmark_data.py --index-only     # only the 10B-token index build and its check
 
 1. Preprocessing: tokens per CPU-second of sentencepiece's encode in a bare loop vs the pipeline per worker
    (1 worker in process doing everything; 2..N spawned workers, whose own CPU time is measured), plus wall-clock
    throughput, on the demo corpus repeated to --corpus-mb, as .jsonl, as Parquet (row groups of 1,000 rows,
    snappy, as FineWeb's shards) and as an Arrow stream file (what datasets' save_to_disk writes; needs pyarrow).
    For the spawned runs, the main process's CPU time per MB (reading and writing) says how many workers it feeds.
-2. Packed-sample index for --index-tokens tokens in --index-docs documents (one core, vectorised numpy).
+2. Packed-sample index for --index-tokens tokens in --index-docs documents (one core, vectorised numpy), and the
+   check every rank makes of it when it is read from the cache (``sample_index.packed_index_problem``).
 3. Batch loader: tokens/s delivered by iterate_micro_batches in one process.
 
 CPU seconds (time.process_time) are reported next to wall time because a shared machine inflates wall time.
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.data import DataConfig, DataSource, Tokenizer, build_train_valid_datasets, iterate_micro_batches  # noqa: E402
 from lnstrain.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from lnstrain.data.sample_index import build_blend_index, build_packed_index  # noqa: E402
+from lnstrain.data.sample_index import build_blend_index, build_packed_index, packed_index_problem  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
@@ -148,10 +150,15 @@ def bench_index(num_docs: int, num_tokens: float, seq_lens: list[int]) -> None:
         mb = sum(a.nbytes for a in index.values()) / 1e6
         print(f"  seq_len {seq_len:5d}: {num_samples:12,} samples in {cpu:6.2f} CPU-s ({wall:6.2f} s wall), "
               f"{mb:,.0f} MB of index")
+        problem, wall, cpu = _timed(lambda: packed_index_problem(index, sizes, np.arange(num_docs), seq_len,
+                                                                 num_samples))
+        assert problem is None, problem
+        print(f"  {'':14}its check, when read from the cache: {cpu:6.2f} CPU-s ({wall:6.2f} s wall)")
         del index
     num_samples = (total - 1) // seq_lens[0]
     _, wall, cpu = _timed(lambda: build_blend_index([0.5, 0.3, 0.2], num_samples))
-    print(f"  3-way blend index for {num_samples:,} samples: {cpu:.2f} CPU-s ({wall:.2f} s wall)")
+    print(f"  3-way blend index for {num_samples:,} samples: {cpu:.2f} CPU-s ({wall:.2f} s wall); its check, "
+          "when read from the cache, is a build and a comparison")
 
 
 def bench_loader(work: str, prefix: str, tokenizer: str) -> None:
@@ -177,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index-tokens", type=float, default=10e9)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 256])
     p.add_argument("--skip-index", action="store_true")
+    p.add_argument("--index-only", action="store_true", help="section 2 only: the index build and its check")
     args = p.parse_args(argv)
     print(f"benchmark_data: {os.cpu_count()} cores, numpy {np.__version__}")
+    if args.index_only:
+        bench_index(args.index_docs, args.index_tokens, args.seq_lens)
+        return 0
     with tempfile.TemporaryDirectory() as work:
         corpus, tokenizer, docs = prepare(work, args.corpus_mb, args.vocab_size, args.tokenizer)
         bench_preprocess(work, corpus, tokenizer, docs, args.max_workers)

@@ -13,7 +13,8 @@ without unpickling). One line per checkpoint:
 
     OK          every check passes
     CORRUPT     a file is missing, added, truncated or altered, or the marker or metadata is damaged
-    UNSAFE      a file would run pickled code when loaded (used only with --allow-pickle)
+    UNSAFE      a file would run pickled code when loaded, or its pickles cannot be scanned (used only
+                with --allow-pickle)
     UNVERIFIED  saved by an lnstrain before checksums: only the pickles were checked (used only with
                 --allow-unverified)
     INCOMPLETE  no lnstrain_complete: an interrupted save, which is never read
@@ -21,7 +22,9 @@ without unpickling). One line per checkpoint:
 
 With --key (the run's checkpoint.signing_key_file) each line also says SIGNED (its marker was signed
 with that key), UNSIGNED or FORGED (a signature that does not verify); a resume with that key uses
-only SIGNED checkpoints (UNSIGNED too with --allow-unverified). The last line says which checkpoint a
+only SIGNED checkpoints (UNSIGNED too with --allow-unverified). The signature is checked first: a
+FORGED checkpoint, or an UNSIGNED one without --allow-unverified, is UNTRUSTED and none of its files
+is read. The last line says which checkpoint a
 resume (checkpoint.resume: auto) with these opt-ins would use.
 
 Exit status: 0 when every complete checkpoint would be used; 1 when some would not, but a resume
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lnstrain.checkpoint.errors import CheckpointError  # noqa: E402
 from lnstrain.checkpoint.verifier import add_trust_arguments, trust_from_arguments  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+from lnstrain.report_lines import escaped  # noqa: E402
 
 
 def step_dirs_of(path: Path) -> tuple[Path | None, list[Path], list[Path]]:
@@ -68,6 +72,8 @@ def _size(count: float) -> str:
 
 def describe(verdict, trust) -> tuple[str, list[str]]:
     """(verdict word, detail lines) of one complete step directory's ``verifier.Verdict``."""
+    if not verdict.read:
+        return "UNTRUSTED", ["its marker's signature does not vouch for it, so none of the files it lists was read"]
     if verdict.corrupt or verdict.altered:
         return "CORRUPT", verdict.corrupt + verdict.altered + verdict.unsafe
     if verdict.unsafe:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for step_dir in sorted(step_dirs + links, key=step_of):
         signature = ""
         if step_dir in links:
-            word, details = "LINK", [f"a symbolic link (to {os.readlink(step_dir)}): never read"]
+            word, details = "LINK", [f"a symbolic link (to {escaped(os.readlink(step_dir))}): never read"]
         elif not is_complete(step_dir):
             word, details = "INCOMPLETE", [f"no {COMPLETE_MARKER} (its save was interrupted): never read"]
         else:

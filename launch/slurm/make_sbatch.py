@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from lnstrain.config.loader import from_dict  # noqa: E402
 from lnstrain.config.run_config import load_config  # noqa: E402
+from lnstrain.no_follow import write_text_replacing  # noqa: E402
 from lnstrain.run_files import JOB_SCRIPT, SLURM_OUTPUT  # noqa: E402
 from lnstrain.study.slurm import render_sbatch, submit  # noqa: E402
 from lnstrain.study.spec import ClusterProfile  # noqa: E402
@@ -56,7 +57,7 @@ def main() -> int:
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens --output there before the script runs
     path = run_dir / JOB_SCRIPT
-    path.write_text(script)
+    write_text_replacing(path, script)  # a new file: a link planted there is replaced, not written through
     try:
         job_ids = submit(path, cluster.slurm.chain_jobs)
     except (RuntimeError, FileNotFoundError) as error:

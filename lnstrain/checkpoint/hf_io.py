@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from lnstrain.checkpoint.hf_llama import config_problems, from_hf_state_dict, hf
 from lnstrain.checkpoint.lns_fold import RECORD_KEY, UNFOLDED_WEIGHTS_FILE, folded_norm_gains, unfold_factors
 from lnstrain.checkpoint.safetensors_io import save_safetensors
 from lnstrain.model.config import ModelConfig
+from lnstrain.no_follow import write_bytes_replacing, write_text_replacing
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def write_tokenizer_files(output: Path, tokenizer_path: str | None, max_len: int
     if not special:
         logger.warning("no tokenizer written: data.tokenizer (%s) is not a file", tokenizer_path)
         return False
-    shutil.copyfile(tokenizer_path, output / "tokenizer.model")
+    write_bytes_replacing(output / "tokenizer.model", Path(tokenizer_path).read_bytes())
     tokens = {f"{name}_token": piece for name, (_, piece) in special.items()}
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": "bos" in special, "add_eos_token": False,
               "model_max_length": max_len, "clean_up_tokenization_spaces": False, "legacy": False, **tokens}
-    (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (output / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n", encoding="utf-8")
+    write_text_replacing(output / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    write_text_replacing(output / "special_tokens_map.json", json.dumps(tokens, indent=2) + "\n")
     return True
 
 
@@ -98,11 +98,11 @@ def save_hf_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, output:
         save_safetensors(as_trained, output / UNFOLDED_WEIGHTS_FILE, metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    write_text_replacing(output / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     config = export_config(cfg, dtype, tokenizer_path)
-    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_text_replacing(output / "config.json", json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-    (output / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    write_text_replacing(output / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     write_tokenizer_files(output, tokenizer_path, cfg.max_seq_len)
     logger.info("wrote a Hugging Face LLaMA checkpoint to %s: %d tensors in %d shard(s), %s", output,
                 len(hf_state), len(shards), dtype)

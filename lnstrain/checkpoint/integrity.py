@@ -33,7 +33,7 @@ from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, write_atomically
 from lnstrain.checkpoint.signing import SigningKey, signature
 from lnstrain.deepspeed_adapter import CheckpointFileIO, torch_save_zip_format
-from lnstrain.no_follow import open_regular_file, read_regular_file
+from lnstrain.no_follow import create_exclusively, open_regular_file, read_regular_file
 
 CHECKSUM = "sha256"
 MARKER_FORMAT = 3
@@ -132,7 +132,7 @@ def recording_deepspeed_files(file_io: CheckpointFileIO, step_dir: Path,
             if name is not None:
                 written.append(path)
             return
-        with open(path, "wb") as raw:
+        with os.fdopen(create_exclusively(path), "wb") as raw:  # a new file: never a planted link's target
             writer = ChecksumWriter(raw)
             try:
                 torch.save(state_dict, writer, _use_new_zipfile_serialization=zip_format)
@@ -188,15 +188,15 @@ def write_marker(step_dir: Path, records: dict[str, FileRecord], key: SigningKey
 
 def safe_relative_name(name: Any) -> bool:
     """A path a marker may record: relative, inside its directory, in POSIX form, nothing odd."""
-    if not isinstance(name, str) or not name or len(name) > 1024 or "\\" in name or "\x00" in name:
-        return False
+    if not isinstance(name, str) or not name or len(name) > 1024 or "\\" in name or not name.isprintable():
+        return False  # lnstrain writes plain names: a control character would only forge a log line
     parts = name.split("/")
     return all(part not in ("", ".", "..") and len(part) <= 255 for part in parts) and name != COMPLETE_MARKER
 
 
 def _record(name: str, entry: Any) -> FileRecord:
     if not safe_relative_name(name):
-        raise MarkerError(f"it records {name!r}, which is not a file name inside its directory")
+        raise MarkerError(f"it records {str(name)[:200]!r}, which is not a file name inside its directory")
     if not isinstance(entry, dict):
         raise MarkerError(f"its record of {name} is not a mapping")
     size, sha256, rank = entry.get("size"), entry.get("sha256"), entry.get("rank")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lnstrain.checkpoint.deepspeed_files import OPTIMIZER_PARTITION
+from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.manager import CLIENT_STATE_KEY
 from lnstrain.checkpoint.metadata import CONFIG_FILE, METADATA_FILE, read_metadata, saved_config_data
 from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_of, saved_pipeline_name_mapper,
@@ -41,6 +42,7 @@ from lnstrain.checkpoint.param_names import (fit_rows, is_vocab_sharded, owner_o
 from lnstrain.checkpoint.safe_load import load_deepspeed_file, zero3_fp32_weights
 from lnstrain.checkpoint.verifier import Trust, open_checkpoint
 from lnstrain.config.run_config import Config, config_from_dict
+from lnstrain.report_lines import escaped
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +89,10 @@ def read_step_config(step_dir: str | os.PathLike) -> Config:
     path = Path(step_dir) / CONFIG_FILE
     if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} is missing: not an lnstrain checkpoint (no resolved config)")
-    data = saved_config_data(path)
-    return config_from_dict(data, source=str(path))
+    try:
+        return config_from_dict(saved_config_data(path), source=str(path))
+    except (OSError, ValueError) as error:  # the verifier refuses such a config first; a reader never raises more
+        raise CheckpointError(f"cannot read {path}: {escaped(str(error))}") from None
 
 
 def read_saved_layout(step_dir: str | os.PathLike, allow_pickle: bool = False) -> SavedLayout:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, is_complete, step_of
-from lnstrain.no_follow import LinkRefused, is_link, read_regular_file
+from lnstrain.no_follow import LinkRefused, hard_link_detail, is_link, read_regular_file
+from lnstrain.report_lines import capped, escaped
 from lnstrain.run_files import (CHECKPOINTS_DIR, FINAL_METRICS_FILE, LATEST_FILE, RUN_CONFIG_FILE, RUN_LOCK_FILE,
                                 TENSORBOARD_DIR)
 
@@ -128,21 +130,22 @@ def resolve_resume(resume: str, checkpoint_dir: str | Path, log: bool = True) ->
 
 def remove_links(checkpoint_dir: str | Path) -> None:
     """Remove every link directly in ``checkpoint_dir`` (the links themselves: what they point to is
-    left alone). lnstrain never makes one there; a save would write through ``global_step<N>`` or
-    DeepSpeed's ``zero_to_fp32.py`` if one were left. The pre-launch check refuses them first
-    (``link_problems``); this is for a trainer started without it."""
+    left alone). lnstrain never makes one there; a save would write through ``global_step<N>`` if one
+    were left. The pre-launch check refuses them first (``link_problems``); this is for a trainer
+    started without it."""
     with os.scandir(checkpoint_dir) as entries:
         links = [Path(entry.path) for entry in entries if entry.is_symlink()]
     for link in links:
-        logger.error("removing %s, a symbolic link (to %s) that lnstrain did not make, before saving", link,
-                     os.readlink(link))
+        logger.error("removing %s, a symbolic link (to %s) that lnstrain did not make, before saving", escaped(link),
+                     escaped(os.readlink(link)))
         link.unlink()
 
 
 def link_problems(run_dir: str | Path, checkpoint_dir: str | Path) -> list[str]:
     """Links where a trainer writes: among the run directory's own entries (``run_files``) and anywhere
-    directly in the checkpoint directory. lnstrain never makes one; writing through one would change
-    a file outside the run (another run's checkpoint, or anything its owner can write)."""
+    directly in the checkpoint directory, and a run lock with other names (a hard link: the lock file
+    is written in place). lnstrain never makes one; writing through one would change a file outside
+    the run (another run's checkpoint, or anything its owner can write)."""
     run_dir, checkpoint_dir = Path(run_dir), Path(checkpoint_dir)
     found = [run_dir / name for name in (RUN_CONFIG_FILE, CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_METRICS_FILE,
                                          RUN_LOCK_FILE) if is_link(run_dir / name)]
@@ -150,6 +153,16 @@ def link_problems(run_dir: str | Path, checkpoint_dir: str | Path) -> list[str]:
         with os.scandir(checkpoint_dir) as entries:
             found += [Path(entry.path) for entry in entries if entry.is_symlink() and Path(entry.path) not in found]
     hint = " (a checkpoints/ directory kept elsewhere: set checkpoint.dir to that directory instead)"
-    return [f"{path} is a symbolic link (to {os.readlink(path)}); lnstrain never makes links in a run or checkpoint "
-            f"directory and does not write through them: remove it{hint if path.name == CHECKPOINTS_DIR else ''}"
-            for path in sorted(found)]
+    problems = [f"{escaped(path)} is a symbolic link (to {escaped(os.readlink(path))}); lnstrain never makes links in a "
+                f"run or checkpoint directory and does not write through them: remove it"
+                f"{hint if path.name == CHECKPOINTS_DIR else ''}" for path in sorted(found)]
+    for directory in dict.fromkeys((run_dir, checkpoint_dir)):
+        lock = directory / RUN_LOCK_FILE
+        try:
+            status = os.lstat(lock)
+        except OSError:
+            continue
+        if stat.S_ISREG(status.st_mode) and status.st_nlink > 1:
+            problems.append(f"{escaped(lock)} is {hard_link_detail(status.st_nlink)}; a trainer writes its record "
+                            "into the lock file: remove it")
+    return capped(problems, "links")

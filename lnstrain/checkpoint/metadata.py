@@ -233,7 +233,8 @@ def save_rng_state(step_dir: str | os.PathLike, rank: int, state: dict[str, Any]
     """Write ``state`` (default: this process's RNG states now, ``capture_rng_state``) as rank ``rank``'s."""
     path = rng_file(step_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(capture_rng_state() if state is None else state, path)
+    with os.fdopen(create_exclusively(path), "wb") as handle:  # a new file: never a planted link's target
+        torch.save(capture_rng_state() if state is None else state, handle)
 
 
 def load_rng_state(step_dir: str | os.PathLike, rank: int) -> dict[str, Any] | None:

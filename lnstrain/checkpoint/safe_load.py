@@ -28,7 +28,10 @@ import torch
 
 from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.errors import CheckpointError
+from lnstrain.checkpoint.pickle_scan import PickleScan, scan_torch_file
 from lnstrain.deepspeed_adapter import CheckpointFileIO, pickled_record_classes, zero3_fp32_state_dict
+from lnstrain.no_follow import open_regular_file
+from lnstrain.report_lines import escaped
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +77,25 @@ def load_deepspeed_file(path: str | os.PathLike, allow_pickle: bool = False, map
         if not _is_refusal(error):
             raise CheckpointError(f"cannot read {path}: {type(error).__name__}: {error}") from error
         if not allow_pickle:
-            names = unsafe_globals(path)
+            found = scan(path)
             raise CheckpointError(refusal_message(path, "objects beyond tensors and DeepSpeed's known records"
-                                                  + (f" ({', '.join(names)})" if names else ""))) from error
+                                                  + (f" ({escaped(', '.join(found.names))})" if found.names else ""))) from error
     logger.warning("loading %s with full unpickling (allow_pickle): it can run code", path)
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def unsafe_globals(path: str | os.PathLike) -> list[str] | None:
-    """The classes and functions ``path``'s pickle names beyond what ``load_deepspeed_file`` allows,
-    read without unpickling (None when the file is not a zip-format torch file to inspect)."""
+def scan(path: str | os.PathLike) -> PickleScan:
+    """The classes and functions ``path``'s pickles name beyond what ``load_deepspeed_file`` allows,
+    read without unpickling, in either of torch's layouts (``pickle_scan``); a file that cannot be
+    opened or scanned is reported as such, never as clean."""
     try:
-        with torch.serialization.safe_globals(pickled_record_classes()):
-            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except (ValueError, RuntimeError, OSError):
-        return None
+        descriptor = open_regular_file(path)
+    except OSError as error:
+        return PickleScan(unscannable=f"it cannot be opened: {error.strerror or error}")
+    try:
+        return scan_torch_file(descriptor, pickled_record_classes())
+    finally:
+        os.close(descriptor)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,10 @@ from lnstrain.checkpoint.integrity import FileRecord, MarkerError, file_record, 
 from lnstrain.checkpoint.locations import complete_step_dirs, newest_checkpoint
 from lnstrain.checkpoint.metadata import (COMPLETE_MARKER, CONFIG_FILE, METADATA_FILE, RNG_DIR, is_complete,
                                           read_metadata, saved_config_data, step_of)
-from lnstrain.checkpoint.safe_load import OPT_IN, unsafe_globals
+from lnstrain.checkpoint.safe_load import OPT_IN, scan
 from lnstrain.checkpoint.signing import KeyFileError, SigningKey, check_signature, read_signing_key
-from lnstrain.no_follow import is_link
+from lnstrain.no_follow import hard_link_detail, is_link
+from lnstrain.report_lines import Findings, capped, escaped
 from lnstrain.run_files import CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
@@ -82,15 +84,16 @@ class Trust:
 
 @dataclass
 class Verdict:
-    """What checking (a share of) one checkpoint found; every line names a file."""
+    """What checking (a share of) one checkpoint found; every line names a file (escaped: names in a
+    step directory are anyone's choice), at most a few lines of each kind (``report_lines.Findings``)."""
 
     step_dir: Path
-    corrupt: list[str] = field(default_factory=list)
-    """The marker damaged, a file missing, unlisted, truncated, altered or a link, the metadata wrong."""
-    unsafe: list[str] = field(default_factory=list)
-    """DeepSpeed's files whose pickle names classes beyond the allow-list."""
-    altered: list[str] = field(default_factory=list)
-    """lnstrain's own RNG files whose pickle names classes beyond tensors: never written by a save."""
+    listing_findings: Findings = field(default_factory=Findings)
+    """What every rank finds alike: the marker, the listing, sizes, lnstrain's own files, the metadata."""
+    corrupt_findings: Findings = field(default_factory=Findings)
+    """What this rank's share of the files' hashes found."""
+    unsafe_findings: Findings = field(default_factory=Findings)
+    altered_findings: Findings = field(default_factory=Findings)
     recorded: bool = True
     """False: the marker predates file records (UNVERIFIED)."""
     signed: bool = False
@@ -98,8 +101,26 @@ class Verdict:
     signature: str | None = None
     """With a key: ``signed``, ``unsigned`` or ``forged``."""
     signature_detail: str = ""
+    read: bool = True
+    """False: with a key, the marker's signature did not vouch for it (forged, or unsigned without
+    ``allow_unverified``), so nothing it lists was looked at."""
     files: int = 0
     bytes: int = 0
+
+    @property
+    def corrupt(self) -> list[str]:
+        """The marker damaged, a file missing, unlisted, truncated, altered or a link, the metadata wrong."""
+        return self.listing_findings.lines + self.corrupt_findings.lines
+
+    @property
+    def unsafe(self) -> list[str]:
+        """DeepSpeed's files whose pickle names classes beyond the allow-list, or that cannot be scanned."""
+        return self.unsafe_findings.lines
+
+    @property
+    def altered(self) -> list[str]:
+        """lnstrain's own RNG files whose pickle names classes beyond tensors: never written by a save."""
+        return self.altered_findings.lines
 
     @property
     def marker(self) -> Path:
@@ -107,16 +128,18 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt and not self.unsafe and not self.altered
+        return self.read and not self.corrupt and not self.unsafe_findings and not self.altered_findings
 
     def merge(self, other: "Verdict") -> None:
         """Add another rank's share (lines every share found are kept once)."""
-        for name in ("corrupt", "unsafe", "altered"):
-            setattr(self, name, list(dict.fromkeys(getattr(self, name) + getattr(other, name))))
+        self.listing_findings.merge(other.listing_findings, same_things=True)
+        for name in ("corrupt_findings", "unsafe_findings", "altered_findings"):
+            getattr(self, name).merge(getattr(other, name))
         self.files += other.files
         self.bytes += other.bytes
         self.recorded = self.recorded and other.recorded
         self.signed = self.signed or other.signed
+        self.read = self.read and other.read
         if self.signature is None:
             self.signature, self.signature_detail = other.signature, other.signature_detail
 
@@ -149,10 +172,20 @@ class Verdict:
 
 
 # --- checking one step directory -------------------------------------------------------------------
-def _walk(step_dir: Path) -> tuple[list[str], list[str]]:
-    """(relative names of the regular files under ``step_dir`` but its marker; a line for each entry
-    that is a link or neither a file nor a directory). Links are never followed."""
-    files, odd = [], []
+ODD_ENTRIES = "entries no save writes (links, hard links, special files)"
+UNLISTED = "files not written by its save"
+MISSING_OR_RESIZED = "files missing or of another size than their save wrote"
+ALTERED_BYTES = "files whose bytes differ from what their save wrote"
+CONTENT = "problems in its metadata or config"
+UNSAFE_PICKLES = "files whose pickle would run code, or cannot be scanned"
+
+
+def _walk(step_dir: Path) -> tuple[dict[str, int], list[str]]:
+    """({relative name: size} of the regular files under ``step_dir`` but its marker; a line for each
+    entry that is a link, a file with other names (a hard link) or neither a file nor a directory).
+    Links are never followed; each entry is looked at once (``lstat``)."""
+    files: dict[str, int] = {}
+    odd: list[str] = []
     pending = [step_dir]
     while pending:
         directory = pending.pop()
@@ -160,16 +193,22 @@ def _walk(step_dir: Path) -> tuple[list[str], list[str]]:
             for entry in entries:
                 path = Path(entry.path)
                 name = path.relative_to(step_dir).as_posix()
-                if entry.is_symlink():
-                    odd.append(f"{path}: a symbolic link (to {os.readlink(path)}), which no save writes; it is "
-                               "never followed")
-                elif entry.is_dir(follow_symlinks=False):
+                try:
+                    status = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while listing: the check of its record says so
+                if stat.S_ISLNK(status.st_mode):
+                    odd.append(f"{escaped(path)}: a symbolic link (to {escaped(os.readlink(path))}), which no save "
+                               "writes; it is never followed")
+                elif stat.S_ISDIR(status.st_mode):
                     pending.append(path)
-                elif not entry.is_file(follow_symlinks=False):
-                    odd.append(f"{path}: not a regular file, which no save writes")
+                elif not stat.S_ISREG(status.st_mode):
+                    odd.append(f"{escaped(path)}: not a regular file, which no save writes")
+                elif status.st_nlink > 1:
+                    odd.append(f"{escaped(path)}: {hard_link_detail(status.st_nlink)}")
                 elif name != COMPLETE_MARKER:
-                    files.append(name)
-    return sorted(files), odd
+                    files[name] = status.st_size
+    return dict(sorted(files.items())), odd
 
 
 def file_problem(step_dir: Path, name: str, record: FileRecord, checksum: bool = True) -> str | None:
@@ -193,14 +232,72 @@ def file_problem(step_dir: Path, name: str, record: FileRecord, checksum: bool =
     return None
 
 
+def _size_problems(step_dir: Path, records: dict[str, FileRecord], sizes: dict[str, int], found: Findings) -> None:
+    """``file_problem`` of every recorded file without reading any: its size as the listing found it
+    (a marker can list any number of files: a line is made only for those ``found`` keeps)."""
+    base = os.fspath(step_dir)
+    for name, record in records.items():
+        size = sizes.get(name)
+        if size is None:
+            if not os.path.lexists(os.path.join(base, name)):  # else not a regular file: the listing said so
+                found.add(MISSING_OR_RESIZED, lambda name=name: f"{step_dir / name}: missing (its save wrote it)")
+        elif size != record.size:
+            found.add(MISSING_OR_RESIZED, lambda name=name, size=size, record=record: (
+                f"{step_dir / name}: {size} bytes, but its save wrote {record.size} (truncated or overwritten)"))
+
+
+def run_length_problems(metadata: Any, train: Any, seq_len: int, source: Path) -> list[str]:
+    """Where the position ``metadata`` records is beyond what the run its config describes
+    (``train``: its train section) could have reached: a step after its last, or more samples than
+    its steps hold. Each save is of a position its run reached, so such a position was rewritten
+    (both in the metadata and in DeepSpeed's record of it, or they would differ)."""
+    try:
+        steps = train.steps if train.steps is not None else -(-train.tokens // (train.global_batch_size * seq_len))
+    except (TypeError, ZeroDivisionError):
+        steps = None
+    if not isinstance(steps, int) or steps < 1 or train.global_batch_size < 1:
+        return [f"{source}: gives no length of run (train.steps or train.tokens, train.global_batch_size), which "
+                "every saved config has"]
+    problems = []
+    if metadata.step > steps:
+        problems.append(f"{source.parent / METADATA_FILE}: step {metadata.step} is after its run's last step "
+                        f"({steps}, according to {source.name})")
+    if metadata.consumed_samples > steps * train.global_batch_size:
+        problems.append(f"{source.parent / METADATA_FILE}: consumed_samples {metadata.consumed_samples} is more "
+                        f"than its run's {steps} steps of {train.global_batch_size} samples hold (according to "
+                        f"{source.name}): the position was rewritten")
+    return problems
+
+
+def _config_problems(config_path: Path, metadata: Any) -> list[str]:
+    """The step's config is one this lnstrain reads (known keys, right types), its model is valid for
+    the saved layout, and its run could have reached the saved position."""
+    from lnstrain.config.run_config import read_config
+
+    try:
+        typed = read_config(saved_config_data(config_path))
+    except ValueError as error:
+        return [escaped(str(error))]
+    except OSError as error:
+        return [f"{config_path}: cannot be read ({error.strerror or error})"]
+    if typed.problems or typed.value is None:
+        return [f"{config_path}: {escaped(problem)}; not a config this lnstrain reads" for problem in
+                capped(typed.problems or ["it cannot be read as a run config"], "problems")]
+    config = typed.value
+    problems = [f"{config_path}: {problem}" for problem in
+                capped(config.model.validate(tensor_parallel=metadata.tensor_parallel), "problems")]
+    return problems + run_length_problems(metadata, config.train, config.data.seq_len, config_path)
+
+
 def _content_problems(step_dir: Path, names: list[str]) -> list[str]:
-    """The metadata and config parse, the metadata names this directory's step, and its layout fits
-    the files ``names``. Called only once both files verified (or for an UNVERIFIED checkpoint)."""
+    """The metadata and config parse, the metadata names this directory's step, its layout fits the
+    files ``names`` and its position the run its config describes. Called only once both files
+    verified (or for an UNVERIFIED checkpoint)."""
     metadata_path, config_path = step_dir / METADATA_FILE, step_dir / CONFIG_FILE
     try:
         metadata = read_metadata(step_dir)
     except (OSError, ValueError) as error:
-        return [f"{metadata_path}: cannot be read ({getattr(error, 'strerror', None) or error})"]
+        return [f"{metadata_path}: cannot be read ({escaped(getattr(error, 'strerror', None) or str(error))})"]
     problems = []
     if metadata.step != step_of(step_dir):
         problems.append(f"{metadata_path}: says step {metadata.step}, but its directory is {step_dir.name}")
@@ -208,87 +305,99 @@ def _content_problems(step_dir: Path, names: list[str]) -> list[str]:
     if metadata.world_size != layout[0] * layout[1] * layout[2]:
         problems.append(f"{metadata_path}: world_size {metadata.world_size} is not tensor x pipeline x data = "
                         f"{layout[0]} x {layout[1]} x {layout[2]}")
-    problems += [f"{step_dir}: {problem} (according to {METADATA_FILE})" for problem in layout_problems(names, *layout)]
-    try:
-        saved_config_data(config_path)
-    except ValueError as error:
-        problems.append(str(error))
-    except OSError as error:
-        problems.append(f"{config_path}: cannot be read ({error.strerror or error})")
-    return problems
+    problems += [f"{step_dir}: {escaped(problem)} (according to {METADATA_FILE})"
+                 for problem in layout_problems(names, *layout)]
+    return problems + _config_problems(config_path, metadata)
 
 
 def _unsafe(path: Path) -> str | None:
-    names = unsafe_globals(path) if path.suffix == ".pt" else None
-    return f"{path}: its pickle names {', '.join(names)}" if names else None
+    if path.suffix != ".pt":
+        return None
+    found = scan(path)
+    return f"{escaped(path)}: {escaped(found.describe())}" if found.unsafe else None
+
+
+def _vouched_for(verdict: Verdict, marker: Any, trust: Trust) -> bool:
+    """With a key, whether the marker's signature lets its files be read at all (checked first, so a
+    forged marker listing a huge file costs nothing but its own parse)."""
+    if trust.key is None or marker.files is None:
+        return True
+    checked = check_signature(marker.content, trust.key)
+    verdict.signature, verdict.signature_detail = checked.state, checked.detail
+    return checked.state == "signed" or (checked.state == "unsigned" and trust.allow_unverified)
 
 
 def check_step_dir(step_dir: str | os.PathLike, trust: Trust = Trust(), share: tuple[int, int] = (0, 1),
                    depth: str = FULL) -> Verdict:
-    """Check one checkpoint (the module docstring's steps 1-6, to ``depth``).
+    """Check one checkpoint (the module docstring's steps 1-6, to ``depth``), cheapest first: with a
+    key the signature before anything it lists, then the listing and every file's size (one ``lstat``
+    each), and only when all of that holds the hashes and the pickles.
 
     ``share`` = (rank, world size): hash and scan only this rank's share of the large files, each on
     the rank that wrote it when that rank exists (its page cache may still hold it), else spread by
-    position; every rank checks the marker, the listing, the signature and lnstrain's small files.
-    Every rank calls it with its share and the verdicts are merged (``Verdict.merge``).
+    position; every rank checks the marker, the listing, the sizes, the signature and lnstrain's small
+    files. Every rank calls it with its share and the verdicts are merged (``Verdict.merge``).
     """
     step_dir = Path(step_dir)
     rank, world_size = share
     verdict = Verdict(step_dir)
+    listing = verdict.listing_findings
     if is_link(step_dir):
-        verdict.corrupt.append(f"{step_dir}: a symbolic link, which is never followed")
+        listing.add(ODD_ENTRIES, f"{step_dir}: a symbolic link, which is never followed")
         return verdict
     try:
         marker = read_marker(step_dir)
     except FileNotFoundError:
-        verdict.corrupt.append(f"{verdict.marker}: missing (its save was interrupted)")
+        listing.add(CONTENT, f"{verdict.marker}: missing (its save was interrupted)")
         return verdict
     except MarkerError as error:
-        verdict.corrupt.append(f"{verdict.marker}: damaged: {error}; nothing it records can be trusted")
+        listing.add(CONTENT, f"{verdict.marker}: damaged: {escaped(str(error))}; nothing it records can be trusted")
         return verdict
     verdict.signed = "signature" in marker.content
-    if trust.key is not None and marker.files is not None:
-        checked = check_signature(marker.content, trust.key)
-        verdict.signature, verdict.signature_detail = checked.state, checked.detail
-    on_disk, odd = _walk(step_dir)
-    verdict.corrupt += odd
-    present = set(on_disk)
+    if not _vouched_for(verdict, marker, trust):
+        verdict.read = False
+        return verdict
+    sizes, odd = _walk(step_dir)
+    listing.extend(ODD_ENTRIES, odd)
     if marker.files is None:
         verdict.recorded = False
-        names, owners = on_disk, [i % world_size for i in range(len(on_disk))]
-        own_files_ok = all(name in on_disk for name in _OWN_FILES)
-        verdict.corrupt += [f"{step_dir / name}: missing (every save writes it)" for name in _OWN_FILES
-                            if name not in on_disk]
+        names, owners = list(sizes), [i % world_size for i in range(len(sizes))]
+        listing.extend(CONTENT, [f"{step_dir / name}: missing (every save writes it)" for name in _OWN_FILES
+                                 if name not in sizes])
     else:
         names = sorted(marker.files)
         owners = [marker.files[n].rank if marker.files[n].rank < world_size else i % world_size
                   for i, n in enumerate(names)]
-        verdict.corrupt += [f"{step_dir / name}: not written by its save (not in {COMPLETE_MARKER}); DeepSpeed "
-                            "would load it by its name" for name in on_disk if name not in marker.files]
-        verdict.corrupt += [f"{step_dir}: its {COMPLETE_MARKER} does not record {name}, which every save writes"
-                            for name in _OWN_FILES if name not in marker.files]
-        own = [file_problem(step_dir, name, marker.files[name]) for name in _OWN_FILES if name in marker.files]
-        verdict.corrupt += [problem for problem in own if problem]
-        own_files_ok = not any(own) and all(name in marker.files for name in _OWN_FILES)
-    if own_files_ok:
-        verdict.corrupt += _content_problems(step_dir, names)
+        listing.extend(UNLISTED, [f"{escaped(step_dir / name)}: not written by its save (not in {COMPLETE_MARKER}); "
+                                  "DeepSpeed would load it by its name" for name in sizes if name not in marker.files])
+        listing.extend(CONTENT, [f"{step_dir}: its {COMPLETE_MARKER} does not record {name}, which every save writes"
+                                 for name in _OWN_FILES if name not in marker.files])
+        _size_problems(step_dir, marker.files, sizes, listing)
+    for name, owner in zip(names, owners):
+        if owner == rank:
+            verdict.files += 1
+            verdict.bytes += marker.files[name].size if marker.files is not None else 0
+    if listing:
+        return verdict  # nothing read: what is there is not what its save wrote
+    if marker.files is not None:
+        listing.extend(CONTENT, filter(None, (file_problem(step_dir, name, marker.files[name]) for name in _OWN_FILES)))
+    if not listing:
+        listing.extend(CONTENT, _content_problems(step_dir, names))
+    if listing or depth != FULL:
+        return verdict
     for name, owner in zip(names, owners):
         if owner != rank:
             continue
-        verdict.files += 1
-        if marker.files is not None:
-            verdict.bytes += marker.files[name].size
-            if name not in _OWN_FILES:
-                problem = file_problem(step_dir, name, marker.files[name], trust.checksums and depth == FULL)
-                if problem:
-                    verdict.corrupt.append(problem)
-        if depth == FULL and name in present:
-            unsafe = _unsafe(step_dir / name)
-            if unsafe and name.startswith(f"{RNG_DIR}/"):
-                verdict.altered.append(f"{unsafe}; lnstrain writes only tensors there, so the file was altered "
-                                       "after its save, and no opt-in loads it")
-            elif unsafe:
-                verdict.unsafe.append(unsafe)
+        if marker.files is not None and name not in _OWN_FILES and trust.checksums:
+            problem = file_problem(step_dir, name, marker.files[name])
+            if problem:
+                verdict.corrupt_findings.add(ALTERED_BYTES, problem)
+        unsafe = _unsafe(step_dir / name)
+        if unsafe and name.startswith(f"{RNG_DIR}/"):
+            verdict.altered_findings.add(UNSAFE_PICKLES, f"{unsafe}; lnstrain writes only tensors there, so the file "
+                                                         "was altered after its save, and no opt-in loads it")
+        elif unsafe:
+            verdict.unsafe_findings.add(UNSAFE_PICKLES, unsafe)
     return verdict
 
 

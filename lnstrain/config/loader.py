@@ -76,10 +76,10 @@ class Typed(Generic[T]):
 
     def about_unreadable_keys(self, problem: str) -> bool:
         """Whether ``problem`` (found by a check of ``value``) names one of the unreadable keys."""
-        return any(_names_key(problem, key) for key in self.unreadable_keys)
+        return any(names_key(problem, key) for key in self.unreadable_keys)
 
 
-def _names_key(text: str, key: str) -> bool:
+def names_key(text: str, key: str) -> bool:
     """``key`` appears in ``text`` as a key: ``train`` matches ``train.steps`` but not ``to train on``."""
     ending = r"(?![\w])" if "." in key or "[" in key else r"\."
     return re.search(r"(?<![\w.])" + re.escape(key) + ending, text) is not None

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -20,7 +21,7 @@ import yaml
 from lnstrain.checkpoint.config import CheckpointConfig
 from lnstrain.config.feasibility import cross_section_problems
 from lnstrain.config.loader import (ConfigError, Typed, apply_overrides, apply_readable_overrides, load_yaml_with_bases,
-                                   read_dataclass, to_dict)
+                                   names_key, parse_override, read_dataclass, suggest, to_dict)
 from lnstrain.data.config import DataConfig
 from lnstrain.model.config import ModelConfig
 from lnstrain.no_follow import write_text_replacing
@@ -177,7 +178,6 @@ def _expand_model_preset(data: dict, problems: list[str]) -> dict:
     model = data.get("model")
     if not isinstance(model, dict) or "preset" not in model:
         return data
-    from lnstrain.config.loader import suggest
     from lnstrain.model.presets import MODEL_PRESETS
 
     model = dict(model)
@@ -208,12 +208,51 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
 
 
 def read_config_file(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Typed[Config]:
-    """``read_config`` of a YAML run description with ``--set``-style overrides. Raises ``ConfigError``
-    only when the file cannot be read as YAML at all; a malformed override is one more problem."""
-    data, override_problems = apply_readable_overrides(load_yaml_with_bases(path), overrides)
+    """``read_config`` of a YAML run description with ``--set``-style overrides; a malformed override
+    is one more problem. Raises ``ConfigError`` only when the file cannot be read as YAML at all,
+    listing with it every problem the overrides show on their own (``override_problems``)."""
+    overrides = list(overrides)
+    try:
+        data = load_yaml_with_bases(path)
+    except ConfigError as error:
+        raise ConfigError(error.problems + override_problems(overrides), str(path)) from None
+    data, problems = apply_readable_overrides(data, overrides)
     typed = read_config(data)
-    typed.problems[:0] = override_problems
+    typed.problems[:0] = problems
     return typed
+
+
+def override_problems(overrides: Iterable[str]) -> list[str]:
+    """What can be found wrong in ``--set`` overrides without the config they override: malformed
+    ones, unknown keys and values of the wrong type, and the problems each section's own check finds
+    in the keys they set (a negative train.steps, a data prefix whose files are missing). Problems
+    about keys they do not set are left out: those keys hold defaults, not what the config says."""
+    data, problems = apply_readable_overrides({}, overrides)
+    data = _expand_model_preset(data, problems)
+    given = [".".join(keys) for keys, _ in (_override_keys(text) for text in overrides) if keys]
+    hints, fields = typing.get_type_hints(Config), {f.name for f in dataclasses.fields(Config)}
+    for section, value in data.items():
+        if section not in fields:
+            problems.append(f"unknown key '{section}'{suggest(str(section), fields)}")
+            continue
+        if section == "deepspeed" or not isinstance(value, dict):
+            problems += read_dataclass(Config, {"model": {}, section: value}).problems
+            continue
+        typed = read_dataclass(hints[section], value, section)
+        problems += typed.problems
+        if typed.value is None:
+            continue
+        checks = (typed.value.validate(tensor_parallel=1) if section == "model" else
+                  typed.value.validate(check_files=True) if section == "data" else typed.value.validate())
+        problems += [problem for problem in checks if any(names_key(problem, key) for key in given)]
+    return problems
+
+
+def _override_keys(text: str) -> tuple[list[str], Any]:
+    try:
+        return parse_override(text)
+    except ConfigError:
+        return [], None
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_size: int | None = None,

@@ -1,8 +1,13 @@
 """Cache of sample-index arrays: built by one rank, awaited by the others through the filesystem.
 
 Waiting ranks poll for a completion marker instead of joining a collective, so an index that takes
-minutes to build cannot trip an NCCL/gloo timeout. Every file is written under a temporary name and
-moved into place with ``os.replace``; the marker (``<name>.json``) is written last.
+minutes to build cannot trip an NCCL/gloo timeout. Every file is written as a new file under a
+temporary name (``no_follow``: never through a link planted there) and moved into place with
+``os.replace``; the marker (``<name>.json``) is written last.
+
+The cache lies beside the data, where others may write: an entry is used only when ``check`` (the
+invariants of what its build makes, ``sample_index``) passes. One that does not (edited, damaged, or
+unreadable) is named in a warning and rebuilt by the building rank, and waited for by the others.
 """
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from lnstrain.no_follow import create_exclusively, read_regular_file, write_text_replacing
+from lnstrain.report_lines import escaped
 
 logger = logging.getLogger(__name__)
 
@@ -44,56 +52,74 @@ class IndexCache:
     def marker(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.json")
 
-    def get_or_build(self, name: str, description: dict,
-                     build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Memory-mapped arrays of entry ``name``, building (or awaiting) them when absent."""
-        loaded = self._load(name)
+    def get_or_build(self, name: str, description: dict, build: Callable[[], dict[str, np.ndarray]],
+                     check: Callable[[dict[str, np.ndarray]], str | None]) -> dict[str, np.ndarray]:
+        """Memory-mapped arrays of entry ``name``, building (or awaiting) them when absent or when
+        ``check(arrays)`` says why they are not what ``build`` makes."""
+        loaded = self._load(name, check, report=True)
         if loaded is not None:
             return loaded
         if not self.builds:
-            return self._wait(name)
+            return self._wait(name, check)
         logger.info("building index %s", self.marker(name))
         t0 = time.perf_counter()
         arrays = build()
         self._save(name, description, arrays)
         seconds = time.perf_counter() - t0
         logger.log(logging.INFO if seconds >= 1 else logging.DEBUG, "built index %s in %.2fs", self.marker(name), seconds)
-        loaded = self._load(name)
-        assert loaded is not None
+        loaded = self._load(name, check, report=True)
+        if loaded is None:
+            raise OSError(f"the index {self.marker(name)} just built does not read back as built; something else "
+                          "writes in data.cache_dir: set it to a folder only this run writes")
         return loaded
 
-    def _load(self, name: str) -> dict[str, np.ndarray] | None:
+    def _load(self, name: str, check: Callable[[dict[str, np.ndarray]], str | None],
+              report: bool = False) -> dict[str, np.ndarray] | None:
+        """The entry's arrays if they are all there and pass ``check``, else None (``report``: say why
+        an entry that is there is not used)."""
         try:
-            with open(self.marker(name)) as f:
-                keys = json.load(f)["arrays"]
-        except (OSError, ValueError, KeyError):
+            keys = json.loads(read_regular_file(self.marker(name), 1 << 16))["arrays"]
+            if not isinstance(keys, list) or not all(isinstance(key, str) and key.isidentifier() for key in keys):
+                raise ValueError("its marker lists no arrays")
+        except FileNotFoundError:
             return None
-        paths = self._paths(name, keys)
-        if not all(os.path.isfile(p) for p in paths.values()):
-            return None
-        # plain ndarray views of the maps (indexing an np.memmap subclass is several times slower)
-        return {k: np.load(p, mmap_mode="r", allow_pickle=False).view(np.ndarray) for k, p in paths.items()}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"its marker cannot be read ({escaped(str(error))})"
+        else:
+            paths = self._paths(name, keys)
+            if not all(os.path.isfile(p) for p in paths.values()):
+                return None
+            try:  # plain ndarray views of the maps (indexing an np.memmap subclass is several times slower)
+                arrays = {k: np.load(p, mmap_mode="r", allow_pickle=False).view(np.ndarray) for k, p in paths.items()}
+                problem = check(arrays)
+            except (OSError, ValueError, EOFError, IndexError, TypeError) as error:  # a header or shape made up
+                problem = f"an array cannot be read ({escaped(str(error))})"
+            if problem is None:
+                return arrays
+        if report:
+            logger.warning("not using the cached index %s: %s; %s", escaped(self.marker(name)), problem,
+                           "rebuilding it" if self.builds else "waiting for the building rank to rebuild it")
+        return None
 
     def _save(self, name: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
         try:
             os.makedirs(self.directory, exist_ok=True)
             for key, path in self._paths(name, list(arrays)).items():
                 tmp = f"{path}.tmp-{os.getpid()}.npy"
-                np.save(tmp, np.ascontiguousarray(arrays[key]), allow_pickle=False)
+                with os.fdopen(create_exclusively(tmp), "wb") as handle:
+                    np.save(handle, np.ascontiguousarray(arrays[key]), allow_pickle=False)
                 os.replace(tmp, path)
-            tmp = f"{self.marker(name)}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"arrays": list(arrays), "description": description}, f, indent=1, default=str)
-            os.replace(tmp, self.marker(name))
+            write_text_replacing(self.marker(name), json.dumps({"arrays": list(arrays), "description": description},
+                                                               indent=1, default=str))
         except OSError as e:
             raise OSError(f"cannot write the index cache in {self.directory} ({e}); "
                           "set data.cache_dir to a writable folder shared by all ranks") from e
 
-    def _wait(self, name: str) -> dict[str, np.ndarray]:
+    def _wait(self, name: str, check: Callable[[dict[str, np.ndarray]], str | None]) -> dict[str, np.ndarray]:
         deadline = time.monotonic() + self.timeout_s
         logger.info("waiting for index %s to be built by the cache-building rank", self.marker(name))
         while time.monotonic() < deadline:
-            loaded = self._load(name)
+            loaded = self._load(name, check)
             if loaded is not None:
                 return loaded
             time.sleep(self.poll_s)

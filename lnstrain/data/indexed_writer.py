@@ -8,6 +8,8 @@ from typing import Iterable
 
 import numpy as np
 
+from lnstrain.no_follow import create_exclusively
+
 from .indexed_dataset import HEADER_BYTES, MAGIC, VERSION, IndexedDataset, dtype_code
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ def write_index(path: str, dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> Non
     if len(sizes) > 1:
         np.cumsum(sizes[:-1].astype(np.int64) * itemsize, out=pointers[1:])
     doc_idx = np.asarray(doc_idx, np.int64)
-    with open(path, "wb") as f:
+    with os.fdopen(create_exclusively(path), "wb") as f:  # a new file: never a link planted beside the data
         f.write(MAGIC)
         f.write(np.uint64(VERSION).tobytes())
         f.write(np.uint8(dtype_code(dtype)).tobytes())
@@ -50,7 +52,7 @@ class IndexedDatasetWriter:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin_tmp = _tmp_name(prefix + ".bin")
         self._idx_tmp = _tmp_name(prefix + ".idx")
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = os.fdopen(create_exclusively(self._bin_tmp), "wb")
         self._sizes: list[np.ndarray] = []
         self.num_tokens = 0
 
@@ -106,7 +108,7 @@ def merge_datasets(prefixes: Iterable[str], output_prefix: str) -> IndexedDatase
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     bin_tmp, idx_tmp = _tmp_name(output_prefix + ".bin"), _tmp_name(output_prefix + ".idx")
     try:
-        with open(bin_tmp, "wb") as out:
+        with os.fdopen(create_exclusively(bin_tmp), "wb") as out:
             for p in parts:
                 with open(p.bin_path, "rb") as src:
                     shutil.copyfileobj(src, out, 16 << 20)

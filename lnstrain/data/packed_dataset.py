@@ -13,7 +13,8 @@ import numpy as np
 from .fingerprint import file_fingerprint, hash_description
 from .index_cache import IndexCache
 from .indexed_dataset import IndexedDataset
-from .sample_index import build_packed_index, build_truncate_pad_index
+from .sample_index import (build_packed_index, build_truncate_pad_index, packed_index_problem,
+                           truncate_pad_index_problem)
 
 INDEX_VERSION = 1
 
@@ -93,10 +94,12 @@ def build_sample_dataset(indexed: IndexedDataset, doc_ids: np.ndarray, *, mode: 
         raise ValueError(f"data.mode must be 'packed' or 'truncate_pad' (got {mode!r})")
     try:
         if mode == "packed":
-            index = cache.get_or_build(name, description, lambda: build_packed_index(
-                indexed.sizes, doc_ids, seq_len, num_samples, seed))
+            index = cache.get_or_build(
+                name, description, lambda: build_packed_index(indexed.sizes, doc_ids, seq_len, num_samples, seed),
+                lambda arrays: packed_index_problem(arrays, indexed.sizes, doc_ids, seq_len, num_samples))
             return PackedDataset(indexed, index, seq_len)
-        index = cache.get_or_build(name, description, lambda: build_truncate_pad_index(doc_ids, num_samples, seed))
+        index = cache.get_or_build(name, description, lambda: build_truncate_pad_index(doc_ids, num_samples, seed),
+                                   lambda arrays: truncate_pad_index_problem(arrays, doc_ids, num_samples))
         return TruncatePadDataset(indexed, index, seq_len, pad_id)
     except ValueError as e:
         raise ValueError(f"{indexed.prefix} ({split} split, {len(doc_ids)} sequences): {e}") from e

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lnstrain.no_follow import write_text_replacing
 from lnstrain.run_files import downstream_file
 
 SCALAR_PREFIX = "downstream"
@@ -68,9 +69,7 @@ def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write the results JSON (by rename, so a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    write_text_replacing(path, json.dumps(results, indent=2, default=str) + "\n")  # a link there is replaced
     return path
 
 

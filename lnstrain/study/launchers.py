@@ -19,6 +19,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from lnstrain.no_follow import open_for_appending, write_text_replacing
+from lnstrain.report_lines import escaped
 from lnstrain.run_files import JOB_SCRIPT, LAUNCH_LOG, SLURM_JOB_ID_FILE, STUDY_CONFIG_FILE
 from lnstrain.study.plan import PlannedRun
 from lnstrain.study.results import final_metrics
@@ -85,8 +87,9 @@ def _launch_slurm(study: Study, planned: PlannedRun, config_path: Path) -> Launc
     if _slurm_job_active(run_dir):
         return LaunchResult(planned.run.name, "queued", f"job {(run_dir / SLURM_JOB_ID_FILE).read_text().strip()}")
     script = run_dir / JOB_SCRIPT
-    script.write_text(render_sbatch(planned.run.name, run_dir.resolve(), str(config_path.resolve()), planned.gpus,
-                                    study.cluster, REPO_ROOT, planned.config.checkpoint_dir.resolve()))
+    write_text_replacing(script, render_sbatch(planned.run.name, run_dir.resolve(), str(config_path.resolve()),
+                                               planned.gpus, study.cluster, REPO_ROOT,
+                                               planned.config.checkpoint_dir.resolve()))
     if not study.cluster.slurm.submit:
         return LaunchResult(planned.run.name, "written", str(script))
     try:
@@ -94,7 +97,7 @@ def _launch_slurm(study: Study, planned: PlannedRun, config_path: Path) -> Launc
     except (RuntimeError, FileNotFoundError) as error:
         return LaunchResult(planned.run.name, "failed", str(error))
     # the chain's last link: queued until the run ends
-    (run_dir / SLURM_JOB_ID_FILE).write_text(job_ids[-1] + "\n")
+    write_text_replacing(run_dir / SLURM_JOB_ID_FILE, job_ids[-1] + "\n")
     return LaunchResult(planned.run.name, "submitted", f"job{'s' * (len(job_ids) > 1)} {' '.join(job_ids)}")
 
 
@@ -104,8 +107,12 @@ def _launch_here(study: Study, planned: PlannedRun, config_path: Path) -> Launch
     logger.info("%s: %s (log %s)", planned.run.name, " ".join(command), log_path)
     env = {**os.environ, **study.cluster.env}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    with open(log_path, "a", encoding="utf-8") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    try:
+        log = open_for_appending(log_path)  # never a planted link's target
+    except OSError as error:
+        return LaunchResult(planned.run.name, "failed", f"cannot write {escaped(log_path)}: {error.strerror or error}")
+    with os.fdopen(log, "a", encoding="utf-8") as log_file:
+        code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env).returncode
     if code == 0 and run_status(planned.config.run.dir, planned.config.checkpoint_dir, planned.config.total_steps) == "finished":
         return LaunchResult(planned.run.name, "completed")
     return LaunchResult(planned.run.name, "failed", f"exit code {code}; see {log_path}")

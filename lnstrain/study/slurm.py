@@ -135,6 +135,8 @@ def _resume_lines(job_name: str, run_dir: Path, checkpoint_dir: Path, options: S
                    f'submit this script again (or the next chain link will) to resume"']
     return [
         "RESTARTS=${SLURM_RESTART_COUNT:-0}",
+        # appended by lnstrain.no_follow, which refuses a link planted there (>> would write through it)
+        f'log_job() {{ "$PYTHON" -m lnstrain.no_follow append {jobs_log} "$1"; }}',
         # only a plain global_step<N> is echoed: `latest` is the run directory's, not the job log's, to trust
         f"tag=$( [[ -f {latest} && ! -L {latest} ]] && head -c 64 {latest} | tr -d '[:space:]' || true)",
         'if [[ "$tag" =~ ^global_step[0-9]+$ ]]; then',
@@ -148,13 +150,13 @@ def _resume_lines(job_name: str, run_dir: Path, checkpoint_dir: Path, options: S
         f'  if [[ -n "$last_exit" && "$last_exit" != 0 && "$last_exit" != {stopped} ]]; then',
         f'    echo "lnstrain: {job}: the run\'s last job failed (exit $last_exit); not resuming it: fix the cause, '
         'then submit again"',
-        f'    echo "$SLURM_JOB_ID restart=$RESTARTS exit=$last_exit" >> {jobs_log}',
+        f'    log_job "$SLURM_JOB_ID restart=$RESTARTS exit=$last_exit"',
         '    exit "$last_exit"',
         "  fi",
         "fi",
         "status=0",
         "train || status=$?",
-        f'echo "$SLURM_JOB_ID restart=$RESTARTS exit=$status" >> {jobs_log}',
+        f'log_job "$SLURM_JOB_ID restart=$RESTARTS exit=$status"',
         *on_stop,
         'exit "$status"']
 
@@ -190,7 +192,9 @@ def render_sbatch(job_name: str, run_dir: Path, config_path: str, gpus: int, clu
              'export MASTER_ADDR=$("$PYTHON" launch/slurm/hostfile.py --master)',
              'export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}',
              f'export HOSTFILE={shlex.quote(str(run_dir))}/{HOSTFILE_PREFIX}$SLURM_JOB_ID',
-             f'"$PYTHON" launch/slurm/hostfile.py --slots {gpus_per_node} > "$HOSTFILE"',
+             # a new file (noclobber opens it with O_EXCL): a link planted under that name is removed first
+             f'rm -f "$HOSTFILE" && (set -o noclobber; "$PYTHON" launch/slurm/hostfile.py --slots {gpus_per_node} '
+             '> "$HOSTFILE")',
              'echo "nodes: $SLURM_JOB_NODELIST master: $MASTER_ADDR:$MASTER_PORT"',
              *_train_function(options.mode, config_path, nodes, gpus_per_node),
              *_resume_lines(job_name, run_dir, checkpoint_dir or run_dir / CHECKPOINTS_DIR, options)]

@@ -17,6 +17,7 @@ again under ``by_tokens/<tag>`` with tokens as its step, W&B logs it as the ``to
 from __future__ import annotations
 
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,7 +52,9 @@ class TensorBoardSink(MetricSink):
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # TensorBoard names its file from the time, host and PID and opens it for writing as it finds
+        # it; a suffix nobody can guess means no link can have been planted there for it to write through
+        self.writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=f".{secrets.token_hex(8)}")
 
     def log_scalars(self, scalars: Mapping[str, float], step: int, tokens: int | None = None) -> None:
         for tag, value in scalars.items():

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lnstrain.no_follow import write_text_replacing
 from lnstrain.run_files import WANDB_RUN_FILE
 from lnstrain.tracking.config import WandbConfig
 from lnstrain.tracking.sinks import MetricSink
@@ -74,10 +75,7 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
 
 def _write_record(run_dir: Path, record: dict[str, Any]) -> None:
     """Replace the record by rename (no fsync: losing its last update costs a row number, nothing else)."""
-    path = run_dir / WANDB_RUN_FILE
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    write_text_replacing(run_dir / WANDB_RUN_FILE, json.dumps(record) + "\n")  # a link there is replaced
 
 
 def new_run_id() -> str:

@@ -13,6 +13,7 @@ Loss: the token-weighted mean over the global batch (``lnstrain.model.loss``, we
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -30,8 +31,9 @@ from lnstrain.config.run_config import Config
 from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_name, base_optimizer,
                                         call_before_pipeline_optimizer_step, checkpoint_file_io, fp16_loss_scale,
                                         load_checkpoint_files, model_parallel_group, relink_optimizer_state,
-                                        restore_step_counters)
+                                        restore_step_counters, write_recovery_scripts_fresh)
 from lnstrain.model.build import build_model
+from lnstrain.no_follow import write_bytes_replacing
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.bf16_accumulation import fuse_gradient_cast
@@ -116,6 +118,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size))
     fuse_gradient_cast(engine.optimizer)
+    write_recovery_scripts_fresh(engine, functools.partial(write_bytes_replacing, executable=True))
     logger.info("engine ready: tensor %d, context %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
                 groups.tp_size, groups.cp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
                 config.precision.dtype, engine.gradient_accumulation_steps())

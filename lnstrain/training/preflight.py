@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from pathlib import Path
 
 from lnstrain.checkpoint.errors import CheckpointError
@@ -21,6 +20,7 @@ from lnstrain.checkpoint.verifier import QUICK, Trust, check_step_dir, choose_ch
 from lnstrain.config.loader import Typed, to_dict
 from lnstrain.config.run_config import Config
 from lnstrain.model.config import ModelConfig
+from lnstrain.report_lines import escaped
 from lnstrain.tracking.wandb_sink import wandb_problems
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,27 @@ def tokenizer_problems(config: Config) -> list[str]:
 
 
 def writable_dir_problems(path: Path, key: str) -> list[str]:
-    """Create ``path`` if needed and prove a file can be written there."""
+    """``path`` can be created (or, existing, written): a directory, or its nearest existing parent,
+    that this user may write. Nothing is created: a refused launch leaves no empty run directory."""
+    existing = next((candidate for candidate in (path, *path.parents) if os.path.lexists(candidate)), None)
+    problem = None
+    if existing is None:
+        problem = "no parent of it exists"
+    elif not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user" + (" (a read-only file system)" if _read_only(existing)
+                                                              else "")
+    if problem is None:
+        return []
+    return [f"{key}: cannot write to {escaped(path)} ({problem}); set {key} to a writable directory"]
+
+
+def _read_only(directory: Path) -> bool:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".lnstrain-write-test-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        return [f"{key}: cannot write to {path} ({error.strerror or error}); set {key} to a writable directory"]
-    return []
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def run_trust(config: Config) -> Trust | None:

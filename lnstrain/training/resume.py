@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.locations import resolve_resume
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
-from lnstrain.checkpoint.metadata import read_metadata, step_of
+from lnstrain.checkpoint.metadata import METADATA_FILE, read_metadata, step_of
 from lnstrain.checkpoint.verifier import nothing_verifies
 from lnstrain.config.run_config import Config
 
@@ -30,11 +30,31 @@ def _cannot_resume(problems: list[str]) -> CheckpointError:
     return CheckpointError("cannot resume:\n  - " + "\n  - ".join(problems), agreed=True)
 
 
-def restore_or_start(config: Config, engine: TrainingEngine,
-                     checkpoints: CheckpointManager) -> tuple[TrainingPosition, Path | None]:
+def data_reach_problems(config: Config, step_dir: Path, samples: int) -> list[str]:
+    """Where the rest of the run from ``step_dir``'s position needs samples beyond the ``samples``
+    this run's data serves (``total_steps`` global batches): its position was rewritten consistently
+    (the verifier compares it with its own config and DeepSpeed's record, not with this run), or
+    ``train.global_batch_size`` grew since. Said before anything is loaded, instead of an index error
+    steps later."""
+    metadata = read_metadata(step_dir)
+    if metadata.step >= config.total_steps:
+        return []  # nothing left to train: no sample is read
+    needed = metadata.consumed_samples + (config.total_steps - metadata.step) * config.train.global_batch_size
+    if needed <= samples:
+        return []
+    return [f"{step_dir / METADATA_FILE} says {metadata.consumed_samples} samples were consumed by step "
+            f"{metadata.step}; the {config.total_steps - metadata.step} steps left of {config.train.global_batch_size} "
+            f"samples would read up to sample {needed}, but this run's data serves {samples} ({config.total_steps} "
+            "steps of train.global_batch_size): the checkpoint's position was rewritten, or train.global_batch_size "
+            "is not the one it was saved with; use another checkpoint (tools/verify_checkpoint.py lists them)"]
+
+
+def restore_or_start(config: Config, engine: TrainingEngine, checkpoints: CheckpointManager,
+                     samples: int | None = None) -> tuple[TrainingPosition, Path | None]:
     """Load the checkpoint ``checkpoint.resume`` names into ``engine`` and return its position and
     directory; with none to resume, initialise from ``checkpoint.init_from`` when given and return
-    step 0 and None. Collective: every rank calls it."""
+    step 0 and None. ``samples``: how many training samples this run's data serves (its position must
+    leave room for the rest of the run). Collective: every rank calls it."""
     step_dir, problems = resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
     if problems:
         raise _cannot_resume(problems)
@@ -60,6 +80,8 @@ def restore_or_start(config: Config, engine: TrainingEngine,
         if problems:
             raise _cannot_resume([f"{named} failed verification, and the newest older checkpoint that verifies "
                                   f"was saved with another model:", *problems])
+    if samples is not None and (problems := data_reach_problems(config, step_dir, samples)):
+        raise _cannot_resume(problems)  # every rank built the same data: agreed
     logger.info("loading checkpoint %s", step_dir)
     return load_checkpoint(config, engine, checkpoints, step_dir), step_dir
 

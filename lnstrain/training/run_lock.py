@@ -28,11 +28,14 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from lnstrain.no_follow import hard_link_detail, read_regular_file
+from lnstrain.report_lines import escaped
 from lnstrain.run_files import RUN_LOCK_FILE
 
 logger = logging.getLogger(__name__)
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_TRIES = 10
 
 
 class RunDirectoryInUse(RuntimeError):
@@ -56,11 +59,12 @@ def _holder_record() -> str:
 
 
 def describe_holder(lock_path: Path) -> str:
-    """Who holds ``lock_path``, as its holder recorded it (or why that is unknown)."""
+    """Who holds ``lock_path``, as its holder recorded it (or why that is unknown); escaped, since
+    anyone who can write the run directory can write the record."""
     try:
-        record = json.loads(lock_path.read_text(encoding="utf-8"))
+        record = json.loads(read_regular_file(lock_path, 1 << 12))
         described = f"PID {record['pid']} on {record['host']}, since {record['started']}"
-        return described + (f", SLURM job {record['slurm_job']}" if record.get("slurm_job") else "")
+        return escaped(described + (f", SLURM job {record['slurm_job']}" if record.get("slurm_job") else ""))
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not recorded itself yet"
 
@@ -96,6 +100,47 @@ def probe(directory: Path) -> str | None:
     return None
 
 
+class _NotOurLockFile(Exception):
+    """A lock file lnstrain did not make: the message says what it is and to remove it."""
+
+
+def _open_lock_file(lock_path: Path) -> int:
+    """A read-write descriptor of the lock file, created new when there is none (``O_EXCL``: never a
+    planted link's target). An existing one is used only if it is what a trainer leaves (its lock is
+    held on that file, so it cannot be replaced while another trainer may hold it): a regular file
+    of this user with one name. A symbolic link is refused (``O_NOFOLLOW``), and so is a hard link,
+    whose other name may be a file outside the run that truncating and writing the holder's record
+    would change."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    shown = escaped(lock_path)
+    for _ in range(_TRIES):
+        try:
+            return os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        try:
+            descriptor = os.open(lock_path, flags)
+        except FileNotFoundError:
+            continue  # removed in between: create it
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            raise _NotOurLockFile(f"{shown} is a symbolic link (to {escaped(os.readlink(lock_path))}); lnstrain never "
+                                  "makes one and does not write through it: remove it") from None
+        status = os.fstat(descriptor)
+        problem = ("is not a regular file" if not stat.S_ISREG(status.st_mode) else
+                   f"is {hard_link_detail(status.st_nlink)}" if status.st_nlink > 1 else
+                   f"belongs to another user (uid {status.st_uid}), not to this trainer's (uid {os.geteuid()})"
+                   if status.st_uid != os.geteuid() else None)
+        if problem is None:
+            return descriptor
+        os.close(descriptor)
+        raise _NotOurLockFile(f"{shown} {problem}; lnstrain's lock file is a regular file of the trainer's user "
+                              "with no other name: remove it")
+    raise _NotOurLockFile(f"{shown} appeared and disappeared {_TRIES} times while the trainer opened it: something "
+                          "else is creating and removing it")
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on one directory's lock file, held until ``release``."""
 
@@ -105,19 +150,14 @@ class DirectoryLock:
 
     def acquire(self) -> str | None:
         """Lock; None on success (or where the file system has no locks), else why not (the in-use
-        message, or a lock file that is a link)."""
+        message, or a lock file that lnstrain would not have made: a link, a file with other names, a
+        file of another user, anything but a regular file)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         lock_path = self.directory / RUN_LOCK_FILE
-        try:  # never through a link: truncating and writing the holder's record would change its target
-            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise
-            return (f"{lock_path} is a symbolic link (to {os.readlink(lock_path)}); lnstrain never makes one and does "
-                    "not write through it: remove it")
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            os.close(descriptor)
-            return f"{lock_path} is not a regular file; remove it"
+        try:
+            descriptor = _open_lock_file(lock_path)
+        except _NotOurLockFile as refused:
+            return str(refused)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -129,7 +169,7 @@ class DirectoryLock:
                 raise
             _unsupported(self.directory, error)
             return None
-        os.ftruncate(descriptor, 0)
+        os.ftruncate(descriptor, 0)  # the file is ours alone (_open_lock_file): nothing else is truncated
         os.pwrite(descriptor, _holder_record().encode(), 0)
         self.descriptor = descriptor
         return None

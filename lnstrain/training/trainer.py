@@ -149,7 +149,7 @@ class Trainer:
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
         ``checkpoint.init_from`` when given."""
-        return restore_or_start(self.config, self.engine, self.checkpoints)
+        return restore_or_start(self.config, self.engine, self.checkpoints, samples=len(self.train_data))
 
     def evaluate(self) -> float | None:
         train = self.config.train

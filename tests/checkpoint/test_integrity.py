@@ -60,12 +60,12 @@ def test_check_names_each_changed_file(tmp_path):
     assert check_step_dir(step_dir).corrupt == [
         f"{shard0}: its bytes differ from what its save wrote (sha256 {file_record(shard0, 0).sha256[:16]}…, "
         f"recorded {read_marker(step_dir).files[shard0.name].sha256[:16]}…)"]
-    truncate(shard1)
+    truncate(shard1)  # a size that differs is found by listing the directory, before any file is hashed
     size = read_marker(step_dir).files[shard1.name].size
-    assert check_step_dir(step_dir).corrupt[1] == (f"{shard1}: {size // 2} bytes, but its save wrote {size} "
-                                                   "(truncated or overwritten)")
+    assert check_step_dir(step_dir).corrupt == [f"{shard1}: {size // 2} bytes, but its save wrote {size} "
+                                                "(truncated or overwritten)"]
     shard1.unlink()
-    assert check_step_dir(step_dir).corrupt[1] == f"{shard1}: missing (its save wrote it)"
+    assert check_step_dir(step_dir).corrupt == [f"{shard1}: missing (its save wrote it)"]
     (step_dir / COMPLETE_MARKER).write_text('{"files": {"x": {"size": "many"}}}')
     assert check_step_dir(step_dir).corrupt == [f"{step_dir / COMPLETE_MARKER}: damaged: format None with checksum None "
                                                 "is not one this lnstrain reads (formats (2, 3), sha256); nothing it "
@@ -91,13 +91,17 @@ def test_without_checksums_only_sizes_and_pickles_are_checked(tmp_path):
 def test_each_file_is_checked_once_by_the_rank_that_wrote_it(tmp_path):
     step_dir = recorded_checkpoint(tmp_path, 2)
     for rank in range(2):
-        truncate(step_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        overwrite_middle(step_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     shares = [check_step_dir(step_dir, share=(rank, 2)) for rank in range(2)]
     assert [s.files for s in shares] == [3, 1]  # rank 0 also wrote the metadata and config
-    assert [len(s.corrupt) for s in shares] == [1, 1]
+    assert [len(s.corrupt) for s in shares] == [1, 1]  # each hashes the files it wrote
     assert "zero_pp_rank_1_" in shares[1].corrupt[0]
     one_rank = check_step_dir(step_dir, share=(0, 1))  # resumed on fewer ranks: rank 0 checks everything
     assert one_rank.files == 4 and len(one_rank.corrupt) == 2
+    truncate(step_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    shares = [check_step_dir(step_dir, share=(rank, 2)) for rank in range(2)]
+    assert [len(s.corrupt) for s in shares] == [1, 1]  # sizes: every rank compares them all, before any hash
+    assert "zero_pp_rank_1_" in shares[0].corrupt[0]
 
 
 def test_a_marker_without_records_is_unverified_but_its_pickles_are_checked(tmp_path):
@@ -134,13 +138,13 @@ def test_a_file_that_would_run_code_stops_the_resume_and_never_runs(tmp_path):
     marker = tmp_path / "payload_ran"
     shard = step4 / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     plant(shard, Payload(marker))
-    for rerecorded in (False, True):  # whether or not the attacker also rewrote the file's record
-        if rerecorded:
-            rerecord(step4, shard.name)
-        with pytest.raises(CheckpointError) as refused:
-            manager(tmp_path).verified_checkpoint(step4, fall_back=True)  # no silent fallback to step 2
-        message = str(refused.value)
-        assert f"{shard}: its pickle names builtins.eval" in message and "--allow-pickle" in message
+    chosen, skipped = manager(tmp_path).verified_checkpoint(step4, fall_back=True)
+    assert chosen == step2 and "but its save wrote" in skipped[0]  # not its record's size: never read at all
+    rerecord(step4, shard.name)  # the attacker also rewrote the file's record
+    with pytest.raises(CheckpointError) as refused:
+        manager(tmp_path).verified_checkpoint(step4, fall_back=True)  # no silent fallback to step 2
+    message = str(refused.value)
+    assert f"{shard}: its pickle names builtins.eval" in message and "--allow-pickle" in message
     assert not marker.exists()
     chosen, _ = manager(tmp_path, "checkpoint.allow_pickle=true").verified_checkpoint(step4, fall_back=True)
     assert chosen == step4 and not marker.exists()  # trusted: accepted (the loader unpickles it later)

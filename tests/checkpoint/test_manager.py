@@ -19,8 +19,12 @@ from lnstrain.run_files import LATEST_FILE
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 
 
+SAVED_CONFIG = "model: {}\ntrain: {steps: 1000, global_batch_size: 8}\n"
+"""The least a saved config holds: a model (defaults) and the run's length (the verifier checks the position)."""
+
+
 def fake_checkpoint(directory: Path, step: int, complete: bool = True, latest: bool = True,
-                    fingerprint: str | None = "data", tokenizer: str | None = "tok", config_yaml: str = "model: {}\n",
+                    fingerprint: str | None = "data", tokenizer: str | None = "tok", config_yaml: str = SAVED_CONFIG,
                     **layout) -> Path:
     """A step directory with lnstrain's metadata and config, recorded in its marker (and no model files):
     enough for everything but loading."""

@@ -2,8 +2,8 @@
 checkpoint, the cause and the free space, no traceback; the previous checkpoint stays loadable and the
 same command resumes from it.
 
-The full disk is real: the first file DeepSpeed writes for step 4 is made a symbolic link to
-``/dev/full``, where every write fails with ENOSPC, so torch raises what it raises on a full disk. Only
+The full disk is real: the first file DeepSpeed writes for step 4 is opened on ``/dev/full`` instead
+(where every write fails with ENOSPC), so torch raises what it raises on a full disk. Only
 the free-space figure of the file system is faked (``write_errors.free_space``), to be that of a full one. The
 permission error is raised where DeepSpeed opens that file (root, as tests often run, may write anywhere).
 """
@@ -73,8 +73,15 @@ def fail_at_step_4(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -
         return code, stderr.getvalue()
 
     def full_disk(path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.symlink_to("/dev/full")
+        from lnstrain.checkpoint import integrity
+
+        real_create = integrity.create_exclusively  # a link planted there would be removed: open /dev/full instead
+
+        def dev_full(target: Path, mode: int = 0o666) -> int:
+            integrity.create_exclusively = real_create  # this file only
+            return os.open("/dev/full", os.O_WRONLY)
+
+        integrity.create_exclusively = dev_full
         write_errors.free_space = lambda _: (FULL_DISK.free, FULL_DISK.total)
 
     def no_permission(path: Path) -> None:

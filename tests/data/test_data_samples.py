@@ -185,7 +185,7 @@ def test_cache_reused_and_rebuilt_when_inputs_change(demo_prefix, copy_prefix, d
 def test_waiting_rank_times_out_clearly(tmp_path):
     cache = IndexCache(str(tmp_path), builds=False, timeout_s=0.3, poll_s=0.05)
     with pytest.raises(CacheWaitTimeout, match=r"timed out after 0s waiting for .*never\.json.*rank 0"):
-        cache.get_or_build("never", {}, lambda: {"x": np.zeros(1)})
+        cache.get_or_build("never", {}, lambda: {"x": np.zeros(1)}, lambda arrays: None)
 
 
 def test_check_token_ids(tmp_path, demo_token_docs, megatron_writer, demo_prefix):

@@ -107,7 +107,9 @@ FAKE_DEEPSPEED = """#!/bin/bash
 echo "deepspeed $*" >> "$FAKE_LOG"
 """
 FAKE_PYTHON = """#!/bin/bash
-if [[ "$1" == launch/slurm/hostfile.py || "$1" == launch/slurm/preemptible.py ]]; then exec {real} "$@"; fi
+if [[ "$1" == launch/slurm/hostfile.py || "$1" == launch/slurm/preemptible.py || "$2" == lnstrain.no_follow ]]; then
+  exec {real} "$@"
+fi
 echo "python $* RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER=$MASTER_ADDR:$MASTER_PORT" >> "$FAKE_LOG"
 """
 

@@ -256,10 +256,10 @@ def test_a_fallback_to_a_checkpoint_of_another_model_is_refused_before_loading(t
     from tests.checkpoint.test_manager import fake_checkpoint
 
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
-    model = config.to_dict()["model"]
+    model, train = config.to_dict()["model"], {"steps": 1000, "global_batch_size": 8}
     older = fake_checkpoint(config.checkpoint_dir, 2, config_yaml=yaml.safe_dump(
-        {"model": {**model, "hidden_size": 2 * model["hidden_size"]}}))
-    newer = fake_checkpoint(config.checkpoint_dir, 4, config_yaml=yaml.safe_dump({"model": model}))
+        {"model": {**model, "hidden_size": 2 * model["hidden_size"]}, "train": train}))
+    newer = fake_checkpoint(config.checkpoint_dir, 4, config_yaml=yaml.safe_dump({"model": model, "train": train}))
     assert preflight.resume_problems(config, compare_data=False) == []
 
     class FallingBack:
@@ -283,7 +283,8 @@ def test_a_checkpoint_older_than_a_model_key_resumes_and_a_kernel_choice_may_cha
 
     config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), 1)
     saved = {k: v for k, v in config.to_dict()["model"].items() if k not in ("ffn_multiple_of", "attention_backend")}
-    step_dir = fake_checkpoint(config.checkpoint_dir, 2, config_yaml=yaml.safe_dump({"model": saved}))
+    step_dir = fake_checkpoint(config.checkpoint_dir, 2, config_yaml=yaml.safe_dump(
+        {"model": saved, "train": {"steps": 1000, "global_batch_size": 8}}))
     assert preflight.model_mismatch_problems(config, step_dir) == []
 
     config.model.attention_backend = "math"
