@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lnstrain.config.run_config import Config
-from lnstrain.model.build import build_groups, build_model
+from lnstrain.model.build import build_groups, build_model, select_triton_kernels
 from lnstrain.model.config import NormScheme
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.optimizer import adam_kernel
@@ -146,6 +146,7 @@ class ModelRunner(PlainRunner):
                  micro_batches: list[dict[str, torch.Tensor]]) -> None:
         model = build_model(config, ParallelGroups.single_process(), device.type)
         super().__init__(name, model, config, device, micro_batches)
+        select_triton_kernels(self.model, device, config.precision.compute_dtype)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model.loss(inputs, labels)

@@ -31,7 +31,7 @@ from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_nam
                                         call_before_pipeline_optimizer_step, checkpoint_file_io, fp16_loss_scale,
                                         load_checkpoint_files, model_parallel_group, relink_optimizer_state,
                                         restore_step_counters)
-from lnstrain.model.build import build_model
+from lnstrain.model.build import build_model, select_triton_kernels
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.bf16_accumulation import fuse_gradient_cast
@@ -105,6 +105,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
     device = training_device()
     module = build_model(config, groups, device.type).to(device)  # before the optimizer picks its kernel
+    select_triton_kernels(module, device, config.precision.compute_dtype)
     optimizer = build_optimizer(module, config.optim)
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
