@@ -12,14 +12,21 @@ Each sum is the fp32 addition of the fp32 value and the bf16 value widened to fp
 nearest even: what torch's ``add_`` computes, bit for bit (tests/training/test_accumulation_kernel.py, in
 Triton's CPU interpreter).
 
-Triton is optional: ``supports`` is False without it, and the caller adds with torch.
+Like lnstrain's other Triton kernels it is used on a device only after it has given torch's bits there:
+``usable`` checks it once per process, device and dtype (``matches_torch``, with a warning and torch's add
+otherwise). Triton is optional: ``supports`` is False without it, and the caller adds with torch.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from lnstrain.model.triton_common import runs_on, tl, triton
+
+logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 16
 """Elements per program (a table row): 384 KiB read and 256 KiB written."""
@@ -32,6 +39,36 @@ def supports(target: torch.Tensor, source: torch.Tensor) -> bool:
     an fp32 target, a bf16 or fp16 source of the same number of elements, both contiguous."""
     return (runs_on(source.device, source.dtype) and target.dtype == torch.float32 and target.device == source.device
             and target.numel() == source.numel() and target.is_contiguous() and source.is_contiguous())
+
+
+def usable(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """``supports``, and the kernel has given torch's sums on this device and dtype (checked once)."""
+    return supports(target, source) and matches_torch(source.device, source.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def matches_torch(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel builds on ``device`` and adds ``dtype`` gradients into fp32 as torch's ``add_`` does,
+    bit for bit, on aligned and unaligned tensors, one of them over several chunks, values from 1e-30 to 1e38."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [CHUNK + 4096, 2048, 3, 1000, 16]
+    scales = torch.tensor([1e-30, 1e-3, 1.0, 1e3, 1e38 if dtype == torch.bfloat16 else 6e4])
+    flat = (torch.randn(sum(sizes), generator=generator) * scales[torch.randint(0, 5, (sum(sizes),), generator=generator)])
+    flat = flat.to(device)
+    targets = list(flat.split(sizes))
+    sources = [(torch.randn(size, generator=generator) * 1e2).to(device, dtype) for size in sizes]
+    expected = [target.clone().add_(source) for target, source in zip(targets, sources)]
+    try:
+        add_into_fp32(list(zip(targets, sources)))
+    except Exception as error:  # a Triton or driver failure of any kind: torch's add still works
+        logger.warning("the Triton gradient-add kernel failed on %s (%s: %s); adding with torch", device,
+                       type(error).__name__, error)
+        return False
+    differing = sum(int((got != want).sum()) for got, want in zip(targets, expected))
+    if differing:
+        logger.warning("the Triton gradient-add kernel's %s sums on %s differ from torch's in %d of %d elements; "
+                       "adding with torch", dtype, device, differing, flat.numel())
+    return differing == 0
 
 
 def chunk_table(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, bool]:

@@ -6,7 +6,7 @@ then an add on torch's unvectorised mixed-dtype path, once per parameter and mic
 step in the 1B training layout, from per-parameter hooks with ``bf16.immediate_grad_update``;
 docs/performance.md). ``FusedGradientAdd`` replaces that on one optimizer instance:
 
-* where the Triton kernel runs (CUDA, bf16 or fp16 gradients, ``accumulation_kernel.supports``), the hooks
+* where the Triton kernel runs and has given torch's sums on the device (``accumulation_kernel.usable``), the hooks
   collect (fp32 buffer, bf16 gradient) pairs and one launch of ``accumulation_kernel.add_into_fp32`` adds a
   bucket of them (``BUCKET_ELEMENTS``, 128 MiB of bf16 gradients held at most) with 16-byte accesses; the
   rest is added when DeepSpeed's backward epilogue asks for the gradients (``update_hp_grads``), before any
@@ -72,7 +72,7 @@ class FusedGradientAdd:
         gradient = lp.grad.view(fp32_gradient.shape)
         lp._hp_grad = fp32_gradient
         optimizer.fp32_groups_has_gradients[group_idx][param_idx] = True
-        if accumulation_kernel.supports(fp32_gradient, gradient):
+        if accumulation_kernel.usable(fp32_gradient, gradient):
             self.pending.append((fp32_gradient, gradient))
             self.pending_elements += gradient.numel()
             if self.pending_elements >= self.bucket_elements or clear_lp_grads:

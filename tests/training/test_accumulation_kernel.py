@@ -56,3 +56,27 @@ def test_supports_only_contiguous_fp32_targets_of_16_bit_sources():
     assert not accumulation_kernel.supports(torch.zeros(4, 4, device=DEVICE).t(), source.view(4, 2).repeat(1, 2))
     with pytest.raises(ValueError, match="one source dtype"):
         accumulation_kernel.add_into_fp32([(target, source), (target.clone(), source.half())])
+
+
+def test_the_kernel_passes_its_own_check_and_a_failing_one_is_not_used(monkeypatch, caplog):
+    import logging
+
+    device = torch.device(DEVICE)
+    accumulation_kernel.matches_torch.cache_clear()
+    try:
+        assert accumulation_kernel.matches_torch(device, torch.bfloat16)
+        target, source = torch.zeros(32, device=DEVICE), torch.ones(32, device=DEVICE, dtype=torch.bfloat16)
+        assert accumulation_kernel.usable(target, source)
+        accumulation_kernel.matches_torch.cache_clear()
+        real = accumulation_kernel.add_into_fp32
+
+        def off_by_one_ulp(pairs):
+            real(pairs)
+            pairs[0][0].view(torch.int32)[0] += 1
+
+        monkeypatch.setattr(accumulation_kernel, "add_into_fp32", off_by_one_ulp)
+        with caplog.at_level(logging.WARNING, logger="lnstrain.training.accumulation_kernel"):
+            assert not accumulation_kernel.usable(target, source)
+        assert "differ from torch's in 1 of" in caplog.text
+    finally:
+        accumulation_kernel.matches_torch.cache_clear()

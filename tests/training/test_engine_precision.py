@@ -175,9 +175,9 @@ def _accumulation_worker(rank: int, world_size: int) -> dict:
         engine = build_engine(config, ParallelGroups.build(1, 1, False))
         optimizer = engine._deepspeed.optimizer
         fused = bf16_accumulation.is_installed(optimizer)
-        saved = accumulation_kernel.supports, accumulation_kernel.add_into_fp32
+        saved = accumulation_kernel.usable, accumulation_kernel.add_into_fp32
         if variant == "bucketed":
-            accumulation_kernel.supports = lambda target, source: source.dtype == torch.bfloat16
+            accumulation_kernel.usable = lambda target, source: source.dtype == torch.bfloat16
             accumulation_kernel.add_into_fp32 = _torch_add_into_fp32
             engine.fused_accumulation.bucket_elements = 20_000  # a third of the tiny model a bucket
         if variant == "deepspeed":
@@ -190,7 +190,7 @@ def _accumulation_worker(rank: int, world_size: int) -> dict:
         try:
             steps = [engine.train_step(rank_micro_batches(step, 0, 1), count_bf16_grads) for step in range(STEPS)]
         finally:
-            accumulation_kernel.supports, accumulation_kernel.add_into_fp32 = saved
+            accumulation_kernel.usable, accumulation_kernel.add_into_fp32 = saved
         results[name] = {
             "optimizer": type(engine._deepspeed.optimizer).__name__,
             "losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
