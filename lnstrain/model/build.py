@@ -9,8 +9,9 @@
    projections and embeddings; norms are replicated). At pipeline size 1 that is a ``Transformer``;
    with a pipeline, this rank's stage of a DeepSpeed ``PipelineModule`` (``model.pipeline``), cut
    between layers that keep their global number ℓ, so LNS's 1/√ℓ is the same in every layout.
-   Activation checkpointing and ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by
-   default, never at ZeRO 3) are applied here, to every ``TransformerBlock``, once.
+   Activation checkpointing, ``precision.fp8`` (``set_fp8_mode``: the blocks' linear layers only) and
+   ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by default, never at ZeRO 3) are
+   applied here, to every ``TransformerBlock``, once.
 
 Data parallelism and ZeRO are DeepSpeed's: ``training.engine.build_engine`` hands the module to
 ``deepspeed.initialize``. Weights are drawn per parameter name from ``model.init_seed``, so every
@@ -28,7 +29,9 @@ from lnstrain.config.feasibility import compiles_layers
 from lnstrain.model.attention import kv_head_copies, sdpa_backends
 from lnstrain.model.block import TransformerBlock
 from lnstrain.model.transformer import Transformer
+from lnstrain.parallel.float8 import recipe_for
 from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from lnstrain.config.run_config import Config
@@ -58,9 +61,28 @@ def build_model(config: Config, groups: ParallelGroups, device_type: str = "cpu"
     for block in blocks:
         block.set_activation_checkpointing(config.train.activation_checkpointing)
         block.attention.sdpa_backends = attention_kernels
+    set_fp8_mode(module, config.precision.fp8, device_type)
     if compiles_layers(config, device_type):
         backend = config.train.compile_backend
         logger.info("train.compile: torch.compile (%s) compiles the transformer layers during the first step", backend)
         for block in blocks:
             block.compile(backend=backend)
     return module
+
+
+def set_fp8_mode(module: nn.Module, mode: str, device_type: str | None = None) -> int:
+    """Make the linear layers of ``module``'s transformer blocks compute in float8 by ``mode``
+    (``precision.fp8``: ``none``, ``tensorwise`` or ``rowwise``), in place, on a built model or an engine's
+    module alike; the embedding and the output head are never touched. ``device_type``: where the model
+    trains (default: where its parameters are). Returns the number of layers set."""
+    if device_type is None:
+        device_type = next(module.parameters()).device.type
+    recipe = recipe_for(mode, device_type)
+    layers = [layer for block in module.modules() if isinstance(block, TransformerBlock)
+              for layer in block.modules() if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        layer.fp8 = recipe
+    if recipe is not None:
+        logger.info("precision.fp8 %s: %d linear layers compute in float8%s", mode, len(layers),
+                    " (torch._scaled_mm emulated: this torch build has none on the CPU)" if recipe.emulate else "")
+    return len(layers)
