@@ -42,7 +42,7 @@ from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak, te
 from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
 from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
-                                       shape, triton_kernels)
+                                       peak_section, shape, triton_kernels)
 from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRunner, RunnerSpec,  # noqa: E402
                                         SchemeSwitch, StepRunner, synthetic_micro_batches, with_norm_scheme)
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         "environment": environment(device, world_size),
         "shape": shape(config, world_size, device.type),
         "flops": flops_section(flops),
-        "peak": {"tflops": peak.tflops, "dtype": "bf16 dense", "source": peak.source},
+        "peak": peak_section(peak, config.precision.fp8),
         "protocol": {"warmup_steps": args.warmup, "timed_steps": timed_steps, "requested_steps": args.steps,
                      "order": "interleaved, alternating",
                      "data": "fixed synthetic batch", "step_time": "slowest rank per step"},
