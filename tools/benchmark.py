@@ -13,7 +13,16 @@ torchtitan / OLMo convention; causal figures beside), a forward/backward/optimiz
 plain runners, paired step-time ratios against the first runner with 95% intervals, and the peak
 memory next to the --dry-run estimate. Exit status 2: a bad config or option, nothing was timed.
 
-The JSON report is written (whole, or not at all) as soon as the figures exist, before the profile and
+--switches times one engine with each change of the default path left out in turn (the Triton kernels,
+the fused gradient accumulation, LNS's factor: ``lnstrain/benchmark/switches.py``), interleaved with the
+engine as built, so that one call says what each change is worth:
+
+    python tools/benchmark.py --config configs/bench/1b_seq2048.yaml --baseline none \
+        --switches lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation --profile-steps 1
+
+--profile-steps profiles the first runner right after its warm-up, before any other runner is built or
+timed, and writes that profile at once beside the report (``<report>.profile.json``), so that it survives
+whatever happens later. The JSON report is written (whole, or not at all) as soon as the figures exist,
 before anything is torn down; once it and the table are out, the process ends without the interpreter's
 exit (inductor's compile-worker pool shutdown waits on its worker processes, and DeepSpeed's engine tears
 itself down), so a caller that stops the process at its time still finds the figures.
@@ -44,7 +53,9 @@ from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
                                        peak_section, shape, triton_kernels)
 from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRunner, RunnerSpec,  # noqa: E402
-                                        SchemeSwitch, StepRunner, synthetic_micro_batches, with_norm_scheme)
+                                        SchemeSwitch, StepRunner, SwitchBoard, SwitchUnavailable,
+                                        synthetic_micro_batches, with_norm_scheme)
+from lnstrain.benchmark.switches import SWITCHES, parse_switch_sets, unknown_switches  # noqa: E402
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
 from lnstrain.benchmark.timing import paired_ratio, summarize  # noqa: E402
 from lnstrain.config.feasibility import compiles_layers  # noqa: E402
@@ -76,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --schemes lns,pre_ln: time both on one engine, switching its norms' LNS "
                              "factors between steps (the schemes differ only there), so that weights, memory and "
                              "allocator state are the same for both and the ratio is the factor's cost; eager only")
+    parser.add_argument("--switches", default=None, metavar="SETS",
+                        help="time one engine as built and, interleaved, with each comma-separated switch turned "
+                             "off (a+b: both off in one runner), e.g. rotary_kernel,swiglu_kernel,fused_accumulation; "
+                             f"known: {', '.join(SWITCHES)}. Runners after the first take one warm-up step (compiled "
+                             "layers recompile there)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per runner (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (default 10)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -85,12 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
     parser.add_argument("--profile-steps", type=int, default=0,
-                        help="after timing, profile this many more steps of the first runner (torch.profiler) "
-                             "and report the operators/kernels by self time")
+                        help="profile this many steps of the first runner (torch.profiler) right after its warm-up, "
+                             "before anything else is built or timed, and report the operators/kernels by self time "
+                             "(written at once to <--json>.profile.json)")
     parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop taking timed steps (keeping at least 3 per runner) and skip the profile when "
-                             "the next round would end past this many seconds after the process started (its "
-                             "imports included); the report says how many steps it timed")
+                        help="stop taking timed steps (keeping at least 3 per runner) when the next round would end "
+                             "past this many seconds after the process started (its imports included); the report "
+                             "says how many steps it timed")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON here (rank 0)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -133,6 +150,14 @@ def check_options(args: argparse.Namespace, config: Config, world_size: int) -> 
         if compiles_layers(config, pick_device(args.device).type):
             problems.append("--same-engine: a compiled layer specialises on the LNS factor; add --set "
                             "train.compile=false")
+    if args.switches is not None:
+        sets = parse_switch_sets(args.switches)
+        if not sets:
+            problems.append("--switches: name at least one switch")
+        if unknown_switches(sets):
+            problems.append(f"--switches: unknown {', '.join(unknown_switches(sets))}; known: {', '.join(SWITCHES)}")
+        if args.runner != "engine" or args.same_engine or len(schemes) != 1:
+            problems.append("--switches times one engine (--runner engine, one scheme, without --same-engine)")
     if args.runner == "model" and world_size > 1:
         problems.append("--runner model is single-process; launch it with python, or use --runner engine")
     if args.baseline == "hf" and transformers_version() is None:
@@ -145,6 +170,13 @@ def runner_specs(args: argparse.Namespace, config: Config, schemes: list[str], w
     if args.same_engine:
         lns = with_norm_scheme(config, "lns")
         return [RunnerSpec(f"lnstrain-engine[{s}, one engine]", f"switched:{s}", lns) for s in schemes]
+    if args.switches is not None:
+        scheme = with_norm_scheme(config, schemes[0])
+        if args.baseline == "hf":
+            notes.append("Hugging Face baseline skipped: --switches times one engine")
+        return [RunnerSpec(f"lnstrain-engine[{schemes[0]}]", "board:", scheme)] + [
+            RunnerSpec(f"lnstrain-engine[{schemes[0]}] without {'+'.join(off)}", "board:" + "+".join(off), scheme)
+            for off in parse_switch_sets(args.switches)]
     specs = [RunnerSpec(f"lnstrain-{args.runner}[{s}]", args.runner, with_norm_scheme(config, s)) for s in schemes]
     if args.baseline == "none":
         return specs
@@ -158,10 +190,17 @@ def runner_specs(args: argparse.Namespace, config: Config, schemes: list[str], w
 
 
 def build_runner(spec: RunnerSpec, world_size: int, rank_seed: int, device: torch.device,
-                 switches: dict[str, SchemeSwitch] | None = None) -> StepRunner:
-    """The runner ``spec`` names; ``switched:<scheme>`` runners share the one engine kept in ``switches``."""
+                 switches: dict | None = None, switch_names: list[str] | None = None) -> StepRunner:
+    """The runner ``spec`` names; ``switched:<scheme>`` runners share the one engine kept in ``switches``, and so
+    do ``board:<a+b>`` runners (the ``SwitchBoard`` of ``switch_names``)."""
     accumulation = spec.config.grad_accumulation_steps(world_size)
     batches = synthetic_micro_batches(spec.config, accumulation, rank_seed)
+    if spec.kind.startswith("board:"):
+        switches = {} if switches is None else switches
+        if "board" not in switches:
+            switches["board"] = SwitchBoard(EngineRunner("engine", spec.config, batches, device), switch_names or [])
+        off = tuple(name for name in spec.kind.removeprefix("board:").split("+") if name)
+        return switches["board"].runner_for(spec.name, off)
     if spec.kind.startswith("switched:"):
         switches = {} if switches is None else switches
         if "engine" not in switches:
@@ -243,6 +282,15 @@ def process_started() -> float:
     return time.monotonic() - max(age, 0.0)
 
 
+PROFILE_SCHEMA = "lnstrain.benchmark.profile/1"
+
+
+def profile_path(report_path: str) -> str:
+    """Where the first runner's profile is written beside the report at ``report_path``."""
+    path = Path(report_path)
+    return str(path.with_name(f"{path.stem}.profile.json"))
+
+
 def write_report(doc: dict, path: str) -> None:
     """Write ``doc`` as JSON to ``path`` whole or not at all (a reader never sees half of it)."""
     target = Path(path)
@@ -288,31 +336,39 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
     specs = runner_specs(args, config, schemes, world_size, notes)
 
     runners: list[tuple[RunnerSpec, StepRunner]] = []
-    switches: dict[str, SchemeSwitch] = {}
-    memory = None
+    switches: dict = {}
+    switch_names = sorted({name for off in parse_switch_sets(args.switches or "") for name in off})
+    memory = profile = None
     for index, spec in enumerate(specs):
         reset_peak(device)
         tracker = tensor_tracker(device) if index == 0 else None
         with tracker or contextlib.nullcontext():  # the first runner's build and warm-up steps only: the timed steps run untracked
             try:
-                runner = build_runner(spec, world_size, args.seed + rank, device, switches)
-            except BaselineUnavailable as error:
+                runner = build_runner(spec, world_size, args.seed + rank, device, switches, switch_names)
+            except (BaselineUnavailable, SwitchUnavailable) as error:
                 notes.append(f"{spec.name} skipped: {error}")
                 continue
-            for _ in range(args.warmup):
+            # a board's later runners share the warm engine: one step each (where compiled layers recompile)
+            for _ in range(args.warmup if index == 0 or not spec.kind.startswith("board:") else min(args.warmup, 1)):
                 runner.step()
         if index == 0:
             memory = memory_report(spec.config, world_size, device, runner.kind, peak_memory(device, tracker),
                                    warmup_steps=args.warmup)
+            if args.profile_steps:
+                profile = profile_steps(runner.step, args.profile_steps, device)
+                if rank == 0 and args.json:  # first, so that nothing later can lose it
+                    write_report({"schema": PROFILE_SCHEMA, "runner": spec.name,
+                                  "command": shlex.join(["python", "tools/benchmark.py",
+                                                         *(sys.argv[1:] if argv is None else argv)]),
+                                  "environment": environment(device, world_size),
+                                  "shape": shape(config, world_size, device.type), "profile": profile},
+                                 profile_path(args.json))
         runners.append((spec, runner))
     timed = time_interleaved([runner for _, runner in runners], args.steps, deadline)
     seconds, cpu_seconds = slowest_rank(timed["wall"]), timed["cpu"]
     timed_steps = len(seconds[0]) if seconds else 0
     if timed_steps < args.steps:
         notes.append(f"--time-limit-s {args.time_limit_s:g}: timed {timed_steps} of {args.steps} steps per runner")
-    profile_fits = deadline is None or not _past(time.monotonic() + 2 * max(max(s) for s in seconds), deadline)
-    if args.profile_steps and not profile_fits:
-        notes.append(f"--time-limit-s {args.time_limit_s:g}: no time left for --profile-steps {args.profile_steps}")
     on_cpu = device.type == "cpu"
 
     flops = flops_per_token(config.model, config.data.seq_len)
@@ -347,12 +403,12 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         "comparisons": comparisons,
         "memory": memory,
         "triton_kernels": triton_kernels(device, config.precision.dtype),
+        "switches": {"off_by_runner": {runner.name: list(getattr(runner, "off", ())) for _, runner in runners},
+                     "without": {name: SWITCHES[name].without for name in switch_names}} if switch_names else None,
         "notes": notes,
     }
-    if args.profile_steps and profile_fits:
-        if rank == 0 and args.json:
-            write_report(doc, args.json)  # the figures are kept should the profile run out the caller's time
-        doc["profile"] = profile_steps(runners[0][1].step, args.profile_steps, device)
+    if profile is not None:
+        doc["profile"] = profile
     if rank == 0:
         if args.json:
             write_report(doc, args.json)

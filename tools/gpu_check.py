@@ -10,6 +10,9 @@ and a short Markdown table (``lnstrain/benchmark/gpu_plan.py`` is the plan, ``gp
     python tools/gpu_check.py --summarize call1/gpu_check.json call2/gpu_check.json --out results/
 
 Every item is a subprocess (a crash or an out-of-memory loses that item only) stopped at its seconds;
+the items share one inductor and Triton cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR: --cache-dir, by
+default .gpu_check_cache/ in the repository, which stays on a warm device machine between calls), so a
+graph or kernel compiled by one item is not compiled again by the next, nor by the next call;
 an item starts only if its seconds fit in what is left of the call (--time-limit-s, counted from
 --started-at, which launch/gpu_check.sh sets before it installs the wheels). A benchmark item's figures
 are its JSON report's: one that was written whole counts even when the process was stopped or failed
@@ -54,6 +57,8 @@ BENCHMARK_TOOL = "tools/benchmark.py"
 BENCHMARK_MARGIN_S = 8.0
 """Seconds of an item's allowance kept back from ``tools/benchmark.py --time-limit-s`` (which counts from the
 process's start) for a last round slower than the one before, the report and the exit."""
+CACHE_DIR = ".gpu_check_cache"
+"""The items' shared inductor and Triton caches, in the repository (git-ignored)."""
 ENGINE_STEP = ("--config", CONFIG_TINY, "--baseline", "none", "--set", "precision.dtype=bf16", "--set",
                "parallel.zero_stage=1", "--set", "train.compile=false", "--warmup", "0", "--steps", "1")
 """The environment item's one bf16 engine step in the training layout's optimizer (BF16_Optimizer), on
@@ -76,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--started-at", type=float, default=None,
                         help="when the call began (seconds since the epoch; launch/gpu_check.sh passes the time "
                              "before its install); default now")
+    parser.add_argument("--cache-dir", default=None,
+                        help="the inductor and Triton caches every item shares (default: .gpu_check_cache/ in the "
+                             "repository; a dry run: its scratch directory)")
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
                         help="merge these gpu_check.json files (several calls) and write the summary only")
     parser.add_argument("--print-environment", action="store_true", help=argparse.SUPPRESS)
@@ -127,7 +135,8 @@ def dry_run_args(item: Item) -> tuple[str, ...]:
     """The item's arguments on the CPU: tiny shapes, few steps, the GPU tests' CPU mode, no kernel generation."""
     if item.kind == "tests":
         return ("-m", "gpu and gpu_core", DRY_RUN_TESTS)
-    swap = {CONFIG_1B: CONFIG_TINY, CONFIG_7B_WIDTH: CONFIG_TINY_WIDE}
+    swap = {CONFIG_1B: CONFIG_TINY, CONFIG_7B_WIDTH: CONFIG_TINY_WIDE,
+            "train.micro_batch_size=8": "train.micro_batch_size=4"}  # the tiny config's global batch is 4
     args = [swap.get(arg, arg) for arg in item.args]
     for flag, value in (("--steps", "3"), ("--warmup", "2")):
         if flag in args:
@@ -140,7 +149,7 @@ def dry_run_args(item: Item) -> tuple[str, ...]:
 class Check:
     """One call of the check: the document, the output directory, the log and the clock."""
 
-    def __init__(self, out: Path, dry_run: bool, deadline: float, calls: list[int]) -> None:
+    def __init__(self, out: Path, dry_run: bool, deadline: float, calls: list[int], cache_dir: Path | None = None) -> None:
         self.out = out
         self.dry_run = dry_run
         self.deadline = deadline
@@ -152,6 +161,9 @@ class Check:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
             [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        cache = cache_dir or (self.scratch / "cache" if dry_run else ROOT / CACHE_DIR)
+        for variable, folder in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+            self.env.setdefault(variable, str(cache / folder))
         if dry_run:
             self.env["LNSTRAIN_GPU_TESTS_DEVICE"] = "cpu"
         self.engine_failed: str | None = None
@@ -256,6 +268,9 @@ class Check:
                    "--time-limit-s", f"{max(allowance - BENCHMARK_MARGIN_S, 1.0):.0f}", "--json", str(report_path)]
         code, seconds, tail = self.run(command, allowance)
         report = read_report(report_path)
+        early_profile = read_profile(report_path.with_name(f"{report_path.stem}.profile.json"))
+        if early_profile is not None:  # written before timing: kept whatever became of the rest
+            record["profile"] = early_profile
         record.update(command=shlex.join(["python", *command[1:-2]]), exit_code=code if report is not None or code else 1,
                       duration_s=seconds, report=report, status="done" if report is not None else "failed",
                       note=after_report_note(code, allowance) if report is not None else "",
@@ -299,6 +314,15 @@ def read_report(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return report if is_complete(report) else None
+
+
+def read_profile(path: Path) -> dict[str, Any] | None:
+    """The profile a benchmark wrote before timing (``<report>.profile.json``), if it is there and whole."""
+    try:
+        early = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return early.get("profile") if isinstance(early, dict) else None
 
 
 def after_report_note(code: int, allowance_s: float) -> str:
@@ -376,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     started_at = args.started_at or time.time()
     calls = sorted({item.call for item in items})
-    check = Check(Path(args.out), args.dry_run, started_at + args.time_limit_s, calls)
+    check = Check(Path(args.out), args.dry_run, started_at + args.time_limit_s, calls,
+                  Path(args.cache_dir) if args.cache_dir else None)
     check.doc["limit_s"] = args.time_limit_s
     check.say(f"== gpu_check {'(dry run on the CPU) ' if args.dry_run else ''}items {', '.join(i.name for i in items)} "
               f"-> {check.out}; {check.remaining():.0f} s left of {args.time_limit_s:g} s")

@@ -60,35 +60,52 @@ def _bench(*args: str) -> tuple[str, ...]:
 
 _EAGER = ("--set", "train.compile=false")
 
+SWITCHES_EAGER = "lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation"
+"""What the eager item leaves out in turn on its one engine (``lnstrain/benchmark/switches.py``): each change's
+worth, and LNS against Pre-LN (LNS's factor off), interleaved with the engine as built."""
+SWITCHES_COMPILED = "rotary_kernel+swiglu_kernel,fused_accumulation"
+"""The compiled item's: both kernels off together (inductor's own fusion of the plain ops, one recompilation),
+and the accumulation (outside the compiled layers, no recompilation)."""
+
 PLAN: tuple[Item, ...] = (
     Item("environment", 1, 50, "environment", "(a)",
          "the GPU, torch, CUDA, DeepSpeed (installed offline from .whl/), and one bf16 engine step on CUDA"),
-    Item("1b_eager", 1, 85, "benchmark", "(b) (c)",
+    Item("1b_eager", 1, 120, "benchmark", "(b) (c) (e)",
          "1B LNS seq 2048 bf16, training layout (ZeRO 1, fp32 master weights and accumulation, 8 micro-batches of "
-         "4), eager: tokens/s, MFU, memory against the --dry-run estimate, a one-step kernel profile",
-         ("--config", CONFIG_1B, *_bench(*_EAGER, "--warmup", "2", "--steps", "8", "--profile-steps", "1")),
-         needs_engine=True),
-    Item("1b_compiled", 1, 150, "benchmark", "(b)",
-         "the same, every transformer layer compiled (torch.compile, inductor): the first step compiles; a "
-         "one-step kernel profile if time is left",
-         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--warmup", "2", "--steps", "8",
+         "4), eager: a one-step kernel profile first, then tokens/s, MFU and memory against the --dry-run estimate, "
+         "interleaved on the one engine with LNS's factor (Pre-LN), each Triton kernel and the fused accumulation "
+         "left out in turn",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--switches", SWITCHES_EAGER, "--warmup", "2", "--steps", "10",
                                          "--profile-steps", "1")),
          needs_engine=True),
-    Item("core_tests", 1, 110, "tests", "(d)",
+    Item("1b_compiled", 1, 165, "benchmark", "(b)",
+         "the same, every transformer layer compiled (torch.compile, inductor, the default path): the first step "
+         "compiles, a one-step kernel profile, then interleaved with both kernels left out (inductor's own fusion) "
+         "and with the fused accumulation left out",
+         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--switches", SWITCHES_COMPILED, "--warmup",
+                                         "2", "--steps", "8", "--profile-steps", "1")),
+         needs_engine=True),
+    Item("core_tests", 1, 95, "tests", "(d)",
          "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, bf16 GPU against fp32 "
          "CPU engine steps, resume bit for bit on the GPU, the HF export",
          ("-m", "gpu and gpu_core", "tests/gpu")),
-    Item("1b_lns_vs_pre_ln", 1, 75, "benchmark", "(e)",
+    Item("1b_micro_batch_8", 1, 65, "benchmark", "(b) (c)",
+         "the 1B training layout with 4 micro-batches of 8 instead of 8 of 4 (the same 65,536 tokens a step), "
+         "eager: tokens/s, MFU and memory, against 1b_eager's",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "train.micro_batch_size=8", "--warmup", "2", "--steps",
+                                         "5")),
+         needs_engine=True),
+    Item("1b_vs_hf_model", 1, 45, "benchmark", "(f)",
+         "lnstrain's model against transformers' LlamaForCausalLM, the same driver (torch AdamW, bf16 autocast), "
+         "one micro-batch of 2 a step, eager (met in the first call, 1.254x: a short check)",
+         ("--config", CONFIG_1B, "--runner", "model", "--baseline", "hf", *_EAGER, "--set",
+          "train.global_batch_size=2", "--set", "train.micro_batch_size=2", "--warmup", "2", "--steps", "4")),
+    Item("1b_lns_vs_pre_ln", 3, 75, "benchmark", "(e)",
          "LNS against Pre-LN on one engine in the training layout, its norms' LNS factors switched between "
-         "interleaved steps (the schemes differ only there), eager",
+         "interleaved steps (the schemes differ only there), eager, alone and with more steps than 1b_eager's pair",
          ("--config", CONFIG_1B, *_bench("--schemes", "lns,pre_ln", "--same-engine", *_EAGER, "--warmup", "2",
                                          "--steps", "20")),
          needs_engine=True),
-    Item("1b_vs_hf_model", 1, 65, "benchmark", "(f)",
-         "lnstrain's model against transformers' LlamaForCausalLM, the same driver (torch AdamW, bf16 autocast), "
-         "one micro-batch of 2 a step, eager",
-         ("--config", CONFIG_1B, "--runner", "model", "--baseline", "hf", *_EAGER, "--set",
-          "train.global_batch_size=2", "--set", "train.micro_batch_size=2", "--warmup", "2", "--steps", "10")),
     Item("full_tests", 2, 240, "tests", "(d)", "the whole GPU suite", ("-m", "gpu", "tests/gpu")),
     Item("1b_paper_shape", 2, 95, "benchmark", "(b)",
          "the paper's 1B shape (FFN 5461, not a multiple of 64) in the training layout, eager",
@@ -134,6 +151,6 @@ def plan_text(call: int, limit_s: float = CALL_LIMIT_S) -> str:
     command = "bash launch/gpu_check.sh" + ("" if call == 1 else f" --call {call}")
     lines = [f"GPU check, call {call} ({command}): in this order, each stopped at its seconds, "
              "each started only if its seconds fit in what is left"]
-    lines += [f"  {item.name:<20} {item.seconds:>4} s  {item.issue_item:<8} {item.what}" for item in call_items(call)]
+    lines += [f"  {item.name:<20} {item.seconds:>4} s  {item.issue_item:<11} {item.what}" for item in call_items(call)]
     lines.append(f"total {call_total(call)} s of {limit_s:g} s")
     return "\n".join(lines)

@@ -75,13 +75,13 @@ def triton_kernels(device: torch.device, dtype_name: str) -> dict[str, bool] | N
     """Which of lnstrain's Triton kernels the steps ran on ``device`` in ``dtype_name`` ("bf16", "fp16"):
     each is used only after its once-per-process check against the eager ops passed (the checks' cached
     answers). None where none can run: no Triton, not CUDA, or fp32."""
-    from lnstrain.model import kernels, rotary, triton_common
+    from lnstrain.model import triton_common
+    from lnstrain.model.build import TRITON_KERNELS
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name)
-    if triton_common.triton is None or device.type != "cuda" or dtype is None:
+    if dtype is None or device.type != "cuda" or not triton_common.runs_on(device, dtype):
         return None
-    return {"rotary": rotary.kernel_matches_eager(device, dtype),
-            "swiglu": kernels.swiglu_kernel_matches_eager(device, dtype)}
+    return {name: usable(device, dtype) for name, (_, usable) in TRITON_KERNELS.items()}
 
 
 def shape(config: Config, world_size: int, device_type: str) -> dict[str, Any]:

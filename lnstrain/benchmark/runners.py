@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lnstrain.benchmark.switches import SWITCHES
 from lnstrain.config.run_config import Config
-from lnstrain.model.build import build_groups, build_model
+from lnstrain.model.build import build_groups, build_model, select_triton_kernels
 from lnstrain.model.config import NormScheme
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.training.optimizer import adam_kernel
@@ -146,6 +147,7 @@ class ModelRunner(PlainRunner):
                  micro_batches: list[dict[str, torch.Tensor]]) -> None:
         model = build_model(config, ParallelGroups.single_process(), device.type)
         super().__init__(name, model, config, device, micro_batches)
+        select_triton_kernels(self.model, device, config.precision.compute_dtype)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model.loss(inputs, labels)
@@ -215,6 +217,55 @@ class SwitchedRunner(StepRunner):
     def step(self) -> float:
         self.switch.set_scheme(self.scheme)
         return self.switch.runner.step()
+
+
+class SwitchUnavailable(Exception):
+    """A runner's switch cannot be turned off on this engine (it is not on its default path)."""
+
+
+class SwitchBoard:
+    """One engine stepped with chosen changes switched off (``lnstrain.benchmark.switches``): each of its
+    runners sets every switch the board knows before its step, all on but its own, so that interleaved
+    runners compare the default path with each change left out, on the same weights, memory and allocator.
+    The weights train as a mixture of the runners' paths: a benchmark's numbers, not a model."""
+
+    def __init__(self, runner: EngineRunner, names: list[str]) -> None:
+        self.runner = runner
+        self.switches = [SWITCHES[name] for name in sorted(set(names))]
+        self.unavailable = {switch.name: switch.unavailable(runner.engine) for switch in self.switches}
+        graphs_per_setting = 2  # a compiled LNS layer: layer 1 (factor 1.0) and every other layer
+        for name in ("recompile_limit", "cache_size_limit"):
+            limit = getattr(torch._dynamo.config, name, None)
+            if limit is not None:
+                setattr(torch._dynamo.config, name, max(limit, graphs_per_setting * (len(self.switches) + 1) * 2))
+
+    def runner_for(self, name: str, off: tuple[str, ...]) -> StepRunner:
+        reasons = [f"{switch}: {self.unavailable[switch]}" for switch in off if self.unavailable.get(switch)]
+        if reasons:
+            raise SwitchUnavailable("; ".join(reasons))
+        scheme = next((SWITCHES[switch].scheme_without for switch in off if SWITCHES[switch].scheme_without), None)
+        return BoardRunner(name, self, off, scheme or NormScheme(self.runner.engine.config.model.norm_scheme).value)
+
+    def set_off(self, off: tuple[str, ...]) -> None:
+        for switch in self.switches:
+            if self.unavailable[switch.name] is None:
+                switch.turn(self.runner.engine, switch.name not in off)
+
+
+class BoardRunner(StepRunner):
+    """A ``SwitchBoard``'s engine stepped with the switches ``off`` turned off and the rest on."""
+
+    kind = "engine"
+
+    def __init__(self, name: str, board: SwitchBoard, off: tuple[str, ...], scheme: str) -> None:
+        super().__init__(name, board.runner.device)
+        self.board = board
+        self.off = off
+        self.scheme = scheme
+
+    def step(self) -> float:
+        self.board.set_off(self.off)
+        return self.board.runner.step()
 
 
 @dataclass(frozen=True)

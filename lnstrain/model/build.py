@@ -12,6 +12,10 @@
    Activation checkpointing, ``precision.fp8`` (``set_fp8_mode``: the blocks' linear layers only) and
    ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by default, never at ZeRO 3) are
    applied here, to every ``TransformerBlock``, once.
+3. ``select_triton_kernels(module, device, dtype)``, once the model is on its device: each Triton kernel
+   (the q|k|v rotation, SwiGLU) stays on where it runs on that device and dtype and has given the eager
+   ops' bits there, and is turned off elsewhere, so that compiled layers fuse plain ops instead of calling
+   an opaque operator that would run the eager ops.
 
 Data parallelism and ZeRO are DeepSpeed's: ``training.engine.build_engine`` hands the module to
 ``deepspeed.initialize``. Weights are drawn per parameter name from ``model.init_seed``, so every
@@ -23,11 +27,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from lnstrain.config.feasibility import compiles_layers
 from lnstrain.model.attention import kv_head_copies, sdpa_backends
 from lnstrain.model.block import TransformerBlock
+from lnstrain.model.kernels import swiglu_kernel_usable
+from lnstrain.model.mlp import SwiGLUMLP
+from lnstrain.model.rotary import RotaryEmbedding, kernel_usable
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.float8 import recipe_for
 from lnstrain.parallel.groups import ParallelGroups
@@ -86,3 +94,27 @@ def set_fp8_mode(module: nn.Module, mode: str, device_type: str | None = None) -
         logger.info("precision.fp8 %s: %d linear layers compute in float8%s", mode, len(layers),
                     " (torch._scaled_mm emulated: this torch build has none on the CPU)" if recipe.emulate else "")
     return len(layers)
+
+
+TRITON_KERNELS = {"rotary": (RotaryEmbedding, kernel_usable), "swiglu": (SwiGLUMLP, swiglu_kernel_usable)}
+"""Each Triton kernel: the module class whose ``triton_kernel`` switches it, and whether it is usable on a
+device and dtype (it runs there and gave the eager ops' bits, checked once per process)."""
+
+
+def set_triton_kernel(module: nn.Module, kernel: str, on: bool) -> int:
+    """Switch ``kernel`` (a key of ``TRITON_KERNELS``) on or off in every module of its class; how many."""
+    module_class, _ = TRITON_KERNELS[kernel]
+    switched = [m for m in module.modules() if isinstance(m, module_class)]
+    for owner in switched:
+        owner.triton_kernel = on
+    return len(switched)
+
+
+def select_triton_kernels(module: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, bool]:
+    """Turn each Triton kernel on where it is usable on ``device`` in ``dtype``, off elsewhere; which are on."""
+    usable = {name: usable_on(device, dtype) for name, (_, usable_on) in TRITON_KERNELS.items()}
+    for name, on in usable.items():
+        set_triton_kernel(module, name, on)
+    logger.info("Triton kernels on %s in %s: %s", device, dtype,
+                ", ".join(f"{name} {'on' if on else 'off'}" for name, on in usable.items()))
+    return usable

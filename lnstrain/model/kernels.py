@@ -7,12 +7,16 @@ Autograd's own graph of these ops keeps every intermediate its backward formulas
   in its own dtype and the fp32 reciprocal RMS per row, 2 bytes per element (bf16).
 * ``F.silu(gate) * up`` keeps ``silu(gate)`` beside ``gate`` and ``up``; ``swiglu`` here recomputes it
   in backward (one elementwise pass), as Megatron-LM's fused SwiGLU does, so the MLP keeps 6 instead
-  of 8 bytes per FFN element (bf16). Its forward and gradients are bitwise autograd's. On CUDA with
-  Triton, in bf16 or fp16, one kernel each way (``swiglu_kernel``) does its elementwise work in one
-  pass; it is used on a device and dtype only after it has given the eager ops' bits there on a test
-  case (once per process), and the eager ops run otherwise, with a warning.
+  of 8 bytes per FFN element (bf16). Its forward and gradients are bitwise autograd's. With
+  ``triton_kernel`` (the default) it runs as the custom ops ``lnstrain::swiglu`` and
+  ``lnstrain::swiglu_backward``: on CUDA with Triton, in bf16 or fp16, one kernel each way
+  (``swiglu_kernel``) does the elementwise work in one pass, used on a device and dtype only after it has
+  given the eager ops' bits there on a test case (once per process); the eager ops run otherwise (with a
+  warning where the check failed). ``torch.compile`` sees the ops as opaque operators, so compiled layers
+  run the kernels too; without ``triton_kernel`` it is an autograd function over plain torch ops, which
+  inductor traces and fuses like any other code.
 
-Under ``torch.compile`` both are plain torch ops, which inductor traces and fuses like any other code.
+``rms_norm`` is plain torch ops under ``torch.compile`` as well.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from lnstrain.model import swiglu_kernel
+from lnstrain.model.triton_common import runs_on
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +93,12 @@ def _swiglu_backward_eager(grad_out: torch.Tensor, gate: torch.Tensor,
 
 
 def _use_swiglu_kernel(*tensors: torch.Tensor) -> bool:
-    return (not torch.compiler.is_compiling() and swiglu_kernel.supports(*tensors)
-            and swiglu_kernel_matches_eager(tensors[0].device, tensors[0].dtype))
+    return swiglu_kernel.supports(*tensors) and swiglu_kernel_matches_eager(tensors[0].device, tensors[0].dtype)
+
+
+def swiglu_kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton SwiGLU kernels can run on ``device`` in ``dtype`` and have given eager's bits there."""
+    return runs_on(device, dtype) and swiglu_kernel_matches_eager(device, dtype)
 
 
 def _check_values(generator: torch.Generator) -> torch.Tensor:
@@ -128,21 +137,59 @@ def swiglu_kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> boo
 
 
 class _SwiGLU(torch.autograd.Function):
+    """The eager ops' form of ``swiglu`` (and, under ``torch.compile``, plain ops for inductor to fuse)."""
+
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        if _use_swiglu_kernel(gate, up):
-            return swiglu_kernel.forward(gate, up)
         return _swiglu_eager(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        if _use_swiglu_kernel(grad_out, gate, up):
-            return swiglu_kernel.backward(grad_out, gate, up)
         return _swiglu_backward_eager(grad_out, gate, up)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up, recomputing silu(gate) in backward instead of keeping it."""
+@torch.library.custom_op("lnstrain::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _use_swiglu_kernel(gate, up):
+        return swiglu_kernel.forward(gate, up)
+    return _swiglu_eager(gate, up)
+
+
+@_swiglu_op.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("lnstrain::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(grad_out: torch.Tensor, gate: torch.Tensor,
+                        up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_swiglu_kernel(grad_out, gate, up):
+        return swiglu_kernel.backward(grad_out, gate, up)
+    return _swiglu_backward_eager(grad_out, gate, up)
+
+
+@_swiglu_backward_op.register_fake
+def _(grad_out, gate, up):
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_gradient(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    return tuple(torch.ops.lnstrain.swiglu_backward(grad_out, gate, up))
+
+
+_swiglu_op.register_autograd(_swiglu_gradient, setup_context=_save_inputs)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, triton_kernel: bool = True) -> torch.Tensor:
+    """silu(gate) · up, recomputing silu(gate) in backward instead of keeping it; through the custom ops
+    (the Triton kernels where usable) with ``triton_kernel``, else plain torch ops."""
+    if triton_kernel:
+        return torch.ops.lnstrain.swiglu(gate, up)
     return _SwiGLU.apply(gate, up)

@@ -37,7 +37,10 @@ class SwiGLUMLP(nn.Module):
         parts = [OutputPart("gate", ffn, ffn), OutputPart("up", ffn, ffn)]
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, parts, groups)
         self.down_proj = RowParallelLinear(ffn, cfg.hidden_size, groups, name="down")
+        self.triton_kernel = True
+        """SwiGLU through the custom ops (the Triton kernels where usable); ``build.select_triton_kernels`` turns
+        it off where the kernels cannot run, so that compiled layers fuse the plain ops there instead."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(swiglu(gate, up, self.triton_kernel))

@@ -5,15 +5,20 @@ head_dim]``, with cos/sin tables cached in the exact broadcast shape ``[seq, 1, 
 
 rotate(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
 
-For the fused q|k|v projection, ``RotaryEmbedding.fused_qkv`` rotates q and k in one pass over
-their contiguous block of heads into a new q|k|v buffer (v copied beside them, so that the
-projection's output is freed rather than kept alive for attention's backward by a v view) and, in
-backward, writes the gradient of the whole fused output into one buffer. Its results
-(forward and gradients) are bitwise those of ``rotate`` applied to q and k separately, which is
-what it does under ``torch.compile`` (where inductor fuses the copies away anyway). On CUDA with
-Triton, in bf16 or fp16, one kernel (``rotary_kernel``) does each direction in one pass, bitwise the same;
-it is used on a device and dtype only after it has given eager's bits there on a small case (once per
-process), and the eager ops run otherwise, with a warning.
+For the fused q|k|v projection, ``RotaryEmbedding.fused_qkv`` rotates q and k and copies v out of the
+projection's output in one pass over memory each way, so that the output is freed rather than kept
+alive for attention's backward by a v view, and in backward writes the gradient of the whole fused
+output into one buffer. Its results (forward and gradients) are bitwise those of ``rotate`` applied to
+q and k separately. Two forms:
+
+* with ``triton_kernel`` on (the default, where ``build.select_triton_kernels`` finds the kernel usable):
+  the custom ops ``lnstrain::rotate_qkv`` and ``lnstrain::rotate_qkv_backward``, which run the Triton
+  kernel (``rotary_kernel``: one launch per part) where it applies and has given eager's bits on the
+  device and dtype (checked once per process, with a warning and the eager ops otherwise), and the eager
+  ops elsewhere. ``torch.compile`` sees them as opaque operators (fake implementations give the shapes),
+  so compiled layers run the kernel too;
+* with it off: an autograd function over eager ops into one buffer, or under ``torch.compile`` the plain
+  rotation of q and k, which inductor fuses itself.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from lnstrain.model import rotary_kernel
+from lnstrain.model.triton_common import runs_on
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,9 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.register_buffer("cos_cached", None, persistent=False)
         self.register_buffer("sin_cached", None, persistent=False)
+        self.triton_kernel = True
+        """``fused_qkv`` through the custom ops (the Triton kernel where it is usable); ``build.select_triton_kernels``
+        turns it off where the kernel cannot run, so that compiled layers fuse the plain ops there instead."""
 
     def tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions 0..seq_len-1, shaped [seq_len, 1, head_dim]."""
@@ -73,9 +82,11 @@ class RotaryEmbedding(nn.Module):
                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q and k, and v, from a fused projection's output [batch, seq, (q_heads + 2 kv_heads) * head_dim].
 
-        Returns [batch, seq, heads, head_dim] tensors, views of one new buffer.
+        Returns [batch, seq, heads, head_dim] tensors, none of them a view of ``qkv``.
         """
         cos, sin = self.tables(qkv.shape[1], qkv.device, qkv.dtype)
+        if self.triton_kernel:
+            return tuple(torch.ops.lnstrain.rotate_qkv(qkv, cos, sin, q_heads, kv_heads))
         if torch.compiler.is_compiling():  # inductor fuses the plain ops; dynamo cannot trace `out=` views
             batch, seq, width = qkv.shape
             heads = qkv.view(batch, seq, width // self.head_dim, self.head_dim)
@@ -113,6 +124,11 @@ def _use_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return rotary_kernel.supports(x, cos) and kernel_matches_eager(x.device, x.dtype)
 
 
+def kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel can run on ``device`` in ``dtype`` and has given eager's bits there."""
+    return runs_on(device, dtype) and kernel_matches_eager(device, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernel builds on ``device`` and gives the eager rotation's bits in ``dtype``,
@@ -141,6 +157,8 @@ def kernel_matches_eager(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class _RotateFusedQKV(torch.autograd.Function):
+    """The eager ops' form of ``fused_qkv``: q, k and v views of one new buffer."""
+
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int):
         batch, seq, width = qkv.shape
@@ -148,29 +166,84 @@ class _RotateFusedQKV(torch.autograd.Function):
         heads = qkv.view(batch, seq, width // head_dim, head_dim)
         rotated = torch.empty_like(heads)
         qk = q_heads + kv_heads
-        if _use_kernel(heads, cos):
-            rotary_kernel.rotate_heads(heads, rotated, cos, sin, qk)
-        else:
-            _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
-            rotated[:, :, qk:] = heads[:, :, qk:]
+        _rotate_into(heads[:, :, :qk], cos, sin, rotated[:, :, :qk])
+        rotated[:, :, qk:] = heads[:, :, qk:]
         ctx.save_for_backward(cos, sin)
-        ctx.q_heads = q_heads
-        ctx.kv_heads = kv_heads
         return rotated[:, :, :q_heads], rotated[:, :, q_heads:qk], rotated[:, :, qk:]
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        q_heads, kv_heads = ctx.q_heads, ctx.kv_heads
-        batch, seq, _, head_dim = grad_v.shape
-        grad = grad_v.new_empty(batch, seq, q_heads + 2 * kv_heads, head_dim)
-        qk = q_heads + kv_heads
-        if all(_use_kernel(g, cos) for g in (grad_q, grad_k, grad_v)):
-            rotary_kernel.rotate_heads(grad_q, grad[:, :, :q_heads], cos, sin, q_heads, backward=True)
-            rotary_kernel.rotate_heads(grad_k, grad[:, :, q_heads:qk], cos, sin, kv_heads, backward=True)
-            rotary_kernel.rotate_heads(grad_v, grad[:, :, qk:], cos, sin, 0)
-        else:
-            _unrotate_into(grad_q, cos, sin, grad[:, :, :q_heads])
-            _unrotate_into(grad_k, cos, sin, grad[:, :, q_heads:qk])
-            grad[:, :, qk:] = grad_v
-        return grad.view(batch, seq, -1), None, None, None, None
+        return _rotate_qkv_backward(grad_q, grad_k, grad_v, cos, sin, kernel=False), None, None, None, None
+
+
+def _parts(heads: torch.Tensor, q_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return heads[:, :, :q_heads], heads[:, :, q_heads:q_heads + kv_heads], heads[:, :, q_heads + kv_heads:]
+
+
+@torch.library.custom_op("lnstrain::rotate_qkv", mutates_args=())
+def _rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k of the fused projection's output rotated, and v copied: three new [batch, seq, heads, head_dim]
+    tensors, by the Triton kernel where it is usable (``_use_kernel``), else by the eager ops."""
+    batch, seq, width = qkv.shape
+    head_dim = cos.shape[-1]
+    sources = _parts(qkv.view(batch, seq, width // head_dim, head_dim), q_heads, kv_heads)
+    targets = tuple(torch.empty(part.shape, dtype=qkv.dtype, device=qkv.device) for part in sources)
+    if _use_kernel(sources[0], cos):
+        for source, target, rotated in zip(sources, targets, (q_heads, kv_heads, 0)):
+            rotary_kernel.rotate_heads(source, target, cos, sin, rotated)
+    else:
+        for source, target in zip(sources[:2], targets[:2]):
+            _rotate_into(source, cos, sin, target)
+        targets[2].copy_(sources[2])
+    return targets
+
+
+@_rotate_qkv.register_fake
+def _(qkv, cos, sin, q_heads, kv_heads):
+    batch, seq, _ = qkv.shape
+    head_dim = cos.shape[-1]
+    return tuple(qkv.new_empty(batch, seq, heads, head_dim) for heads in (q_heads, kv_heads, kv_heads))
+
+
+def _rotate_qkv_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """The gradient of the fused projection's output [batch, seq, width], in one new buffer."""
+    q_heads, kv_heads = grad_q.shape[2], grad_k.shape[2]
+    batch, seq, _, head_dim = grad_v.shape
+    grad = grad_v.new_empty(batch, seq, q_heads + 2 * kv_heads, head_dim)
+    targets = _parts(grad, q_heads, kv_heads)
+    if kernel and all(_use_kernel(g, cos) for g in (grad_q, grad_k, grad_v)):
+        for source, target, rotated in zip((grad_q, grad_k, grad_v), targets, (q_heads, kv_heads, 0)):
+            rotary_kernel.rotate_heads(source, target, cos, sin, rotated, backward=True)
+    else:
+        _unrotate_into(grad_q, cos, sin, targets[0])
+        _unrotate_into(grad_k, cos, sin, targets[1])
+        targets[2].copy_(grad_v)
+    return grad.view(batch, seq, -1)
+
+
+@torch.library.custom_op("lnstrain::rotate_qkv_backward", mutates_args=())
+def _rotate_qkv_backward_op(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> torch.Tensor:
+    return _rotate_qkv_backward(grad_q, grad_k, grad_v, cos, sin, kernel=True)
+
+
+@_rotate_qkv_backward_op.register_fake
+def _(grad_q, grad_k, grad_v, cos, sin):
+    batch, seq = grad_v.shape[:2]
+    width = (grad_q.shape[2] + grad_k.shape[2] + grad_v.shape[2]) * grad_v.shape[3]
+    return grad_v.new_empty(batch, seq, width)
+
+
+def _save_tables(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _rotate_qkv_gradient(ctx, grad_q, grad_k, grad_v):
+    cos, sin = ctx.saved_tensors
+    return torch.ops.lnstrain.rotate_qkv_backward(grad_q, grad_k, grad_v, cos, sin), None, None, None, None
+
+
+_rotate_qkv.register_autograd(_rotate_qkv_gradient, setup_context=_save_tables)

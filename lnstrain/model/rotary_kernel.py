@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from lnstrain.model.triton_common import interpreting, tl, triton
 from lnstrain.model.triton_common import round_like_torch as _round
+from lnstrain.model.triton_common import runs_on, tl, triton
 
-_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_BLOCK_HEADS = 32
 """Heads per program: one position's 32 heads of 64 elements are 4 KiB of bf16 read and written."""
 
@@ -32,8 +31,8 @@ _MAX_BLOCK_HEADS = 32
 def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether the kernel can run on ``x`` [batch, seq, heads, head_dim] with tables ``cos`` [seq, 1, head_dim]:
     Triton importable, a CUDA tensor (or the interpreter), a 16-bit dtype, unit stride along head_dim."""
-    return (triton is not None and (x.is_cuda or interpreting()) and x.dtype in _DTYPES and cos.dtype == x.dtype
-            and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and cos.stride(-1) == 1)
+    return (runs_on(x.device, x.dtype) and cos.dtype == x.dtype and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+            and cos.stride(-1) == 1)
 
 
 def rotate_heads(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from lnstrain.model.triton_common import exp_like_torch as _exp
-from lnstrain.model.triton_common import interpreting, tl, triton
 from lnstrain.model.triton_common import round_like_torch as _round
+from lnstrain.model.triton_common import runs_on, tl, triton
 
-_DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK = 1024
 """Elements per program: with 4 warps, 8 consecutive 16-bit elements (16 bytes) per thread and tensor."""
 
@@ -37,7 +36,7 @@ def supports(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can run on ``tensors`` (gate, up and, backward, the output's gradient):
     Triton importable, CUDA tensors (or the interpreter), one 16-bit dtype, one shape, contiguous, not empty."""
     first = tensors[0]
-    return (triton is not None and (first.is_cuda or interpreting()) and first.dtype in _DTYPES and first.numel() > 0
+    return (runs_on(first.device, first.dtype) and first.numel() > 0
             and all(t.dtype == first.dtype and t.shape == first.shape and t.device == first.device
                     and t.is_contiguous() for t in tensors))
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -26,9 +28,19 @@ except ImportError:  # CPU builds of torch come without Triton
     libdevice = None
 
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes lnstrain's Triton kernels compute in (fp32 training keeps the eager ops)."""
+
+
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET=1`` set before Python started)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a Triton kernel can run on ``device`` in ``dtype``: Triton importable, a CUDA device (or the
+    interpreter), a 16-bit dtype. Whether it gives eager's bits there is each kernel's own check."""
+    return triton is not None and (device.type == "cuda" or interpreting()) and dtype in KERNEL_DTYPES
 
 
 if triton is not None:

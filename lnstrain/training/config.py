@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 
 @dataclass
 class OptimConfig:
@@ -85,6 +87,11 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The torch dtype the transformer layers compute in (the weights' under DeepSpeed, autocast's in the plain runners)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
 
     def validate(self) -> list[str]:
         problems = []

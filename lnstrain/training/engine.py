@@ -31,10 +31,10 @@ from lnstrain.deepspeed_adapter import (CheckpointFileIO, accelerator_device_nam
                                         call_before_pipeline_optimizer_step, checkpoint_file_io, fp16_loss_scale,
                                         load_checkpoint_files, model_parallel_group, relink_optimizer_state,
                                         restore_step_counters)
-from lnstrain.model.build import build_model
+from lnstrain.model.build import build_model, select_triton_kernels
 from lnstrain.model.loss import weighted_token_loss
 from lnstrain.parallel.groups import ParallelGroups
-from lnstrain.training.bf16_accumulation import fuse_gradient_cast
+from lnstrain.training import bf16_accumulation
 from lnstrain.training.batches import MicroBatch, weigh_micro_batches
 from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
@@ -105,6 +105,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         logger.warning("%s Set model.fused_qkv: false for an exact norm.", overcounted_kv_rows(config))
     device = training_device()
     module = build_model(config, groups, device.type).to(device)  # before the optimizer picks its kernel
+    select_triton_kernels(module, device, config.precision.compute_dtype)
     optimizer = build_optimizer(module, config.optim)
     scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
@@ -114,7 +115,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size))
-    fuse_gradient_cast(engine.optimizer)
+    fused_accumulation = bf16_accumulation.install(engine.optimizer)
     logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
                 groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
                 config.precision.dtype, engine.gradient_accumulation_steps())
@@ -129,7 +130,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
                                "lnstrain's own clipping and non-finite step skipping expect it unwrapped")
         optimizer.register_step_pre_hook(NonFiniteGradientSkip(lambda: clip_hook.last_norm))
     return TrainingEngine(engine, module=module, groups=groups, config=config, scheduler=scheduler,
-                          clip_hook=clip_hook)
+                          clip_hook=clip_hook, fused_accumulation=fused_accumulation)
 
 
 class TrainingEngine:
@@ -143,18 +144,22 @@ class TrainingEngine:
         config: the run config the engine was built for.
         scheduler: the learning-rate schedule; DeepSpeed steps it after each applied optimizer step.
         clip_hook: lnstrain's own gradient clipping (fp32 without ZeRO), None where DeepSpeed clips.
+        fused_accumulation: the bf16 gradient add into fp32 installed on DeepSpeed's ``BF16_Optimizer``
+            (``bf16_accumulation``), None under any other optimizer.
         accumulation_steps: micro-batches per optimizer step on this rank.
     """
 
     def __init__(self, deepspeed_engine: DeepSpeedEngine, module: nn.Module, groups: ParallelGroups,
                  config: Config, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 clip_hook: GradClipHook | None = None) -> None:
+                 clip_hook: GradClipHook | None = None,
+                 fused_accumulation: bf16_accumulation.FusedGradientAdd | None = None) -> None:
         self._deepspeed = deepspeed_engine  # a PipelineEngine when pipelined
         self.module = module
         self.groups = groups
         self.config = config
         self.scheduler = scheduler
         self.clip_hook = clip_hook
+        self.fused_accumulation = fused_accumulation
         self.accumulation_steps: int = deepspeed_engine.gradient_accumulation_steps()
         self._before_optimizer_step: Callable[[], None] | None = None
         if self.is_pipeline:

@@ -98,33 +98,35 @@ def test_a_time_limit_stops_the_timed_steps_early_but_never_below_three(tmp_path
     finally:
         torch.set_num_threads(threads)
     assert doc["protocol"]["timed_steps"] == 3 and doc["protocol"]["requested_steps"] == 50
-    assert len(doc["runners"][0]["step_time_s"]["samples"]) == 3 and "profile" not in doc
+    assert len(doc["runners"][0]["step_time_s"]["samples"]) == 3
     assert any("timed 3 of 50 steps" in note for note in doc["notes"])
-    assert any("no time left for --profile-steps 2" in note for note in doc["notes"])
+    assert doc["profile"]["steps"] == 2  # taken first, before the timed steps: the time limit never drops it
 
 
-def test_the_report_is_on_disk_whole_before_the_profile_runs(tmp_path):
+def test_the_profile_is_on_disk_before_any_step_is_timed(tmp_path):
     out = tmp_path / "bench.json"
     tool = load_tool("benchmark")
-    profile_steps = tool.profile_steps
-    on_disk_while_profiling = []
+    time_interleaved = tool.time_interleaved
+    on_disk_before_timing = []
 
-    def profile_after_looking(*args, **kwargs):
-        on_disk_while_profiling.append(json.loads(out.read_text()))
-        return profile_steps(*args, **kwargs)
+    def time_after_looking(*args, **kwargs):
+        on_disk_before_timing.append(sorted(path.name for path in tmp_path.iterdir()))
+        on_disk_before_timing.append(json.loads((tmp_path / "bench.profile.json").read_text()))
+        return time_interleaved(*args, **kwargs)
 
-    tool.profile_steps = profile_after_looking
+    tool.time_interleaved = time_after_looking
     threads = torch.get_num_threads()
     try:
         doc = tool.main(["--config", TINY, "--runner", "model", "--baseline", "none", "--warmup", "0", "--steps", "3",
                          "--threads", "1", "--profile-steps", "1", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
-    (early,) = on_disk_while_profiling
-    assert is_complete(early) and "profile" not in early
-    assert early["runners"] == json.loads(json.dumps(doc["runners"]))
-    assert json.loads(out.read_text()) == json.loads(json.dumps(doc)) and doc["profile"]["rows"]
-    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left behind
+    files, early = on_disk_before_timing
+    assert files == ["bench.profile.json"]  # the report comes later, the profile first and whole
+    assert early["profile"] == json.loads(json.dumps(doc["profile"])) and early["profile"]["rows"]
+    assert early["schema"] == tool.PROFILE_SCHEMA and early["runner"] == doc["runners"][0]["name"]
+    assert is_complete(json.loads(out.read_text()))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.json", "bench.profile.json"]  # no temporary left
 
 
 def test_the_command_line_counts_its_time_limit_from_the_process_start():

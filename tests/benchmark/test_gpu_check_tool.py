@@ -140,8 +140,13 @@ def test_dry_run_end_to_end_on_the_cpu(tmp_path):
     assert doc["items"]["environment"]["engine_step"]["device_type"] == "cpu"
     tests = doc["items"]["core_tests"]["tests"]
     assert tests["counts"]["passed"] >= 3 and tests["counts"]["failed"] == tests["counts"]["skipped"] == 0
-    assert doc["items"]["1b_eager"]["report"]["profile"]["rows"]
-    assert doc["items"]["1b_compiled"]["report"]["shape"]["compile"] is True
+    eager, compiled = doc["items"]["1b_eager"], doc["items"]["1b_compiled"]
+    assert eager["report"]["profile"]["rows"] and eager["profile"] == eager["report"]["profile"]  # kept on its own too
+    assert compiled["report"]["shape"]["compile"] is True and compiled["profile"]["rows"]
+    # each item's one engine, as built and with each change left out that the CPU has (LNS's factor; the
+    # kernels and the bf16 accumulation are skipped there, with the reason)
+    assert [run["norm_scheme"] for run in eager["report"]["runners"]] == ["lns", "pre_ln"]
+    assert any("without rotary_kernel skipped" in note for note in eager["report"]["notes"])
     statuses = {row["source"]: row["status"] for row in doc["summary"]}
     assert "not measured" not in statuses.values(), doc["summary"]  # every figure was computed
     markdown = (out / "gpu_check.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lnstrain.benchmark.gpu_plan import CALL_LIMIT_S, CALLS, ITEMS, PLAN, call_items, call_total, plan_text
 from lnstrain.benchmark.gpu_summary import summary_rows
+from lnstrain.benchmark.switches import SWITCHES, parse_switch_sets
 from tests.tool_scripts import load_tool
 
 DEVICE_COMMAND_LIMIT_S = 600
@@ -20,12 +21,20 @@ def test_every_call_fits_the_limit_and_the_limit_fits_one_device_command():
 
 def test_the_first_call_runs_the_decisive_items_first_in_the_issues_order():
     first = [item.name for item in call_items(1)]
-    assert first == ["environment", "1b_eager", "1b_compiled", "core_tests", "1b_lns_vs_pre_ln", "1b_vs_hf_model"]
-    assert [ITEMS[name].issue_item for name in first] == ["(a)", "(b) (c)", "(b)", "(d)", "(e)", "(f)"]
+    assert first == ["environment", "1b_eager", "1b_compiled", "core_tests", "1b_micro_batch_8", "1b_vs_hf_model"]
+    assert [ITEMS[name].issue_item for name in first] == ["(a)", "(b) (c) (e)", "(b)", "(d)", "(b) (c)", "(f)"]
     assert ITEMS["environment"].seconds <= 60  # fail fast
     assert ITEMS["core_tests"].seconds <= 120 and ITEMS["core_tests"].args[:2] == ("-m", "gpu and gpu_core")
     eager, compiled = ITEMS["1b_eager"].args, ITEMS["1b_compiled"].args
     assert "train.compile=false" in eager and "train.compile=true" in compiled
+    # both profile a step before anything is timed, and leave each change out in turn on their one engine
+    for args in (eager, compiled):
+        assert args[args.index("--profile-steps") + 1] == "1" and "--switches" in args
+    assert set(parse_switch_sets(eager[eager.index("--switches") + 1])) == {
+        ("lns_factor",), ("rotary_kernel",), ("swiglu_kernel",), ("fused_accumulation",)}
+    assert ("rotary_kernel", "swiglu_kernel") in parse_switch_sets(compiled[compiled.index("--switches") + 1])
+    assert "train.micro_batch_size=8" in ITEMS["1b_micro_batch_8"].args
+    assert ITEMS["1b_vs_hf_model"].seconds < 55  # met in the first call: shortened
     assert {"full_tests", "7b_width_2_layers", "7b_width_4_layers"} <= {item.name for item in PLAN if item.call > 1}
 
 
@@ -52,6 +61,12 @@ def test_plan_prints_every_item_and_ends_with_the_total(capsys):
 
 def test_an_empty_document_lists_every_first_call_figure_as_not_run():
     rows = summary_rows({"items": {}})
-    assert {row.source for row in rows} >= {"environment", "1b_eager", "1b_compiled", "core_tests",
-                                            "1b_lns_vs_pre_ln", "1b_vs_hf_model"}
+    assert {row.source for row in rows} >= {"environment", "1b_eager", "1b_compiled", "core_tests", "1b_vs_hf_model"}
     assert all(row.status == "not measured" for row in rows)
+
+
+def test_every_switch_the_plan_names_exists():
+    for item in PLAN:
+        if "--switches" in item.args:
+            names = {name for off in parse_switch_sets(item.args[item.args.index("--switches") + 1]) for name in off}
+            assert names <= set(SWITCHES), item.name

@@ -199,3 +199,30 @@ def test_markdown_has_the_table_failures_unfinished_stages_and_commands():
     assert all("on a GPU" in figure for figure in dry if "1B" in figure or "7B" in figure)
     assert "(b) tiny shape (1B LNS seq 2048 bf16 on a GPU), training layout (FFN 5632, eager): tokens/s, TFLOP/s, MFU" in dry
     assert "tiny wide shape (7B width on a GPU): per-layer MFU; 32-layer projection" in dry
+
+
+def test_the_eager_items_switched_pairs_give_the_lns_ratio_and_each_changes_worth():
+    doc = full_document()
+    del doc["items"]["1b_lns_vs_pre_ln"]
+    without = {"lnstrain-engine[lns] without lns_factor": ["lns_factor"],
+               "lnstrain-engine[lns] without rotary_kernel": ["rotary_kernel"],
+               "lnstrain-engine[lns] without fused_accumulation": ["fused_accumulation"]}
+    names = list(without)
+    eager = report([runner(ENGINE, "engine", "lns", 1.20, 0.52), runner(names[0], "engine", "pre_ln", 1.199),
+                    runner(names[1], "engine", "lns", 1.30), runner(names[2], "engine", "lns", 1.22)],
+                   [comparison(names[0], ENGINE, 0.999, 0.995, 1.003), comparison(names[1], ENGINE, 1.08, 1.07, 1.09),
+                    comparison(names[2], ENGINE, 1.015, 1.01, 1.02)], memory=memory(0.97))
+    eager["switches"] = {"off_by_runner": {ENGINE: [], **without}, "without": {}}
+    doc["items"]["1b_eager"] = bench(eager)
+    doc["items"]["1b_micro_batch_8"] = bench(report([runner(ENGINE, "engine", "lns", 1.15, 0.545)], memory=memory(1.0)))
+    rows = rows_by_source(doc)
+    (lns,) = [row for row in rows["1b_eager"] if row.figure.startswith("(e)")]
+    assert lns.status == "met" and lns.measured.startswith("1.0010 (95% CI 0.9970-1.0050")  # 1 / (Pre-LN / LNS)
+    worth = [row for row in rows["1b_eager"] if row.figure.startswith("worth of")]
+    assert [row.figure for row in worth] == ["worth of rotary_kernel (eager): step time without / with",
+                                             "worth of fused_accumulation (eager): step time without / with"]
+    assert worth[0].measured.startswith("1.0800 (95% CI 1.0700-1.0900")
+    (compiled,) = [row for row in rows["1b_compiled"] if row.figure.startswith("compiled / eager")]
+    assert compiled.measured == f"{0.14 / 1.20:.4f}" and compiled.status == "met"
+    (micro,) = [row for row in rows["1b_micro_batch_8"] if row.figure.startswith("micro-batch 8")]
+    assert micro.measured.startswith("MFU 54.5% against MFU 52.0%")

@@ -234,3 +234,50 @@ def test_the_triton_swiglu_kernels_are_eagers_bitwise_and_used_on_the_device(dev
         assert kernels.swiglu_kernel_matches_eager(device, dtype), dtype
     assert triton_kernels(device, "bf16") == {"rotary": True, "swiglu": True}
     assert triton_kernels(device, "fp32") is None
+
+
+def test_compiled_layers_run_the_triton_kernels_and_train_as_eager_ones(device, monkeypatch):
+    """The default path on a GPU: ``select_triton_kernels`` keeps both kernels on, and layers compiled by
+    inductor call them (as custom ops, forward and backward) and give eager's loss and gradients within
+    bf16 rounding (inductor fuses the norms and residuals in its own order)."""
+    from lnstrain.model import kernels, rotary
+    from lnstrain.model.block import TransformerBlock
+    from lnstrain.model.build import select_triton_kernels
+    from lnstrain.parallel.groups import ParallelGroups
+
+    if device.type != "cuda" or rotary.rotary_kernel.triton is None:
+        pytest.skip("the Triton kernels run on CUDA with Triton only")
+    calls = {"rotate_heads": 0, "forward": 0, "backward": 0}
+
+    def counted(module, name):
+        function = getattr(module, name)
+
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        monkeypatch.setattr(module, name, run)
+
+    counted(rotary.rotary_kernel, "rotate_heads")
+    counted(kernels.swiglu_kernel, "forward")
+    counted(kernels.swiglu_kernel, "backward")
+    tokens = torch.randint(0, 100, (2, 65), generator=torch.Generator().manual_seed(0)).to(device)
+    results = []
+    for compile_blocks in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(model_preset("tiny", num_heads=4, num_kv_heads=2, hidden_size=64),
+                            ParallelGroups.single_process()).to(device, torch.bfloat16)
+        assert select_triton_kernels(model, device, torch.bfloat16) == {"rotary": True, "swiglu": True}
+        if compile_blocks:
+            for block in model.modules():
+                if isinstance(block, TransformerBlock):
+                    block.compile(backend="inductor")
+        before = dict(calls)
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        assert all(calls[name] > before[name] for name in calls), (compile_blocks, calls, before)
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    torch._dynamo.reset()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-2, atol=1e-2)
+    for name, grad in eager_grads.items():
+        assert relative_error(compiled_grads[name], grad) <= 0.05, name

@@ -72,3 +72,23 @@ def test_the_swiglu_kernels_compile_vectorised_with_torchs_exp_and_division(arch
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= ops, sorted(o for o in ops if "global" in o)
     assert "div.rn.f32" in ops and not {"div.full.f32", "div.approx.f32"} & ops
     assert "ex2.approx.ftz.f32" in ops and "ex2.approx.f32" not in ops
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_gradient_add_compiles_vectorised_where_its_chunks_are_aligned(arch, dtype, aligned):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lnstrain.training import accumulation_kernel
+
+    kernel = accumulation_kernel._add_into_fp32_kernel
+    constants = {"CHUNK": accumulation_kernel.CHUNK, "BLOCK": accumulation_kernel._BLOCK, "ALIGNED": aligned}
+    signature = {"table": "*i64", "target": "*fp32", "source": f"*{dtype}", **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants,
+                       attrs={(index,): DIVISIBLE_BY_16 for index in range(3)})
+    ops = _instructions(triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"])
+    vectorised = {"ld.global.v4.b32", "st.global.v4.b32"}
+    assert (vectorised <= ops) == aligned, sorted(o for o in ops if "global" in o)
+    assert ("ld.global.b16" in ops) != aligned

@@ -148,38 +148,57 @@ def test_bf16_engines_build_and_train_under_zero_0_1_2():
     assert results["bf16_zero0"]["data_types"] == ["torch.bfloat16", "torch.bfloat16"]
 
 
+def _torch_add_into_fp32(pairs):
+    """What the Triton kernel computes, with torch's add (the CPU has no Triton): one "launch" per call."""
+    for target, source in pairs:
+        target.add_(source)
+
+
 def _accumulation_worker(rank: int, world_size: int) -> dict:
     """BF16_Optimizer at ZeRO 1, 4 micro-batches per step: fp32 accumulation in backward (the default)
     and after each backward (DeepSpeed's default, asked for in the deepspeed: section), both with
-    lnstrain's one-kernel gradient add, and in backward with DeepSpeed's own cast-then-add."""
+    lnstrain's gradient add; in backward with the gradients collected into buckets of a few parameters
+    added by one call each (the kernel's path, with torch's add standing in for the kernel on the CPU); and
+    in backward with DeepSpeed's own cast-then-add."""
     from lnstrain.parallel.groups import ParallelGroups
+    from lnstrain.training import accumulation_kernel, bf16_accumulation
     from lnstrain.training.engine import build_engine
 
     torch.set_num_threads(1)
-    from lnstrain.training.bf16_accumulation import _add_bf16_gradient
-
     results = {}
-    for name, section, deepspeed_add in (("in_backward", {}, False),
-                                         ("after_backward", {"bf16": {"immediate_grad_update": False}}, False),
-                                         ("deepspeed_cast_then_add", {}, True)):
+    for name, section, variant in (("in_backward", {}, "fused"),
+                                   ("after_backward", {"bf16": {"immediate_grad_update": False}}, "fused"),
+                                   ("bucketed", {}, "bucketed"),
+                                   ("bucketed_after_backward", {"bf16": {"immediate_grad_update": False}}, "bucketed"),
+                                   ("deepspeed_cast_then_add", {}, "deepspeed")):
         config = dataclasses.replace(_config(zero_stage=1), deepspeed=section)
         engine = build_engine(config, ParallelGroups.build(1, 1, False))
         optimizer = engine._deepspeed.optimizer
-        fused = getattr(optimizer._update_hp_grad, "__func__", None) is _add_bf16_gradient
-        if deepspeed_add:
-            del optimizer._update_hp_grad  # DeepSpeed's own method again: a cast into a new fp32 tensor, then the add
+        fused = bf16_accumulation.is_installed(optimizer)
+        saved = accumulation_kernel.usable, accumulation_kernel.add_into_fp32
+        if variant == "bucketed":
+            accumulation_kernel.usable = lambda target, source: source.dtype == torch.bfloat16
+            accumulation_kernel.add_into_fp32 = _torch_add_into_fp32
+            engine.fused_accumulation.bucket_elements = 20_000  # a third of the tiny model a bucket
+        if variant == "deepspeed":
+            engine.fused_accumulation.set_enabled(False)  # a cast into a new fp32 tensor, then the add
         held = []  # bf16 gradients alive once the last backward is done
 
         def count_bf16_grads():
             held.append(sum(p.grad is not None for p in engine.module.parameters()))
 
-        steps = [engine.train_step(rank_micro_batches(step, 0, 1), count_bf16_grads) for step in range(STEPS)]
+        try:
+            steps = [engine.train_step(rank_micro_batches(step, 0, 1), count_bf16_grads) for step in range(STEPS)]
+        finally:
+            accumulation_kernel.usable, accumulation_kernel.add_into_fp32 = saved
         results[name] = {
             "optimizer": type(engine._deepspeed.optimizer).__name__,
             "losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
             "masters": [p.detach().clone() for group in engine.base_optimizer.param_groups for p in group["params"]],
             "weights": [p.detach().float().clone() for p in engine.module.parameters()],
             "bf16_grads_held": held, "parameters": len(list(engine.module.parameters())), "fused": fused,
+            "launches": engine.fused_accumulation.launches, "micro_batches": STEPS * engine.accumulation_steps,
+            "still_fused": bf16_accumulation.is_installed(optimizer),
         }
     return results
 
@@ -189,13 +208,20 @@ def test_bf16_accumulation_in_backward_changes_no_number():
     (results,) = run_distributed(_accumulation_worker, 1, timeout_s=600)
     new, old = results["in_backward"], results["after_backward"]
     assert new["optimizer"] == old["optimizer"] == "BF16_Optimizer"
-    assert new["fused"] and old["fused"]  # lnstrain's one-kernel add of the bf16 gradient into fp32
-    for other in (old, results["deepspeed_cast_then_add"]):
+    assert all(run["fused"] for run in results.values())  # lnstrain's gradient add, installed by build_engine
+    assert not results["deepspeed_cast_then_add"]["still_fused"]  # and switched off there
+    for other in (old, results["bucketed"], results["bucketed_after_backward"], results["deepspeed_cast_then_add"]):
         assert new["losses"] == other["losses"] and new["grad_norms"] == other["grad_norms"]  # bitwise
         for a, b in zip(new["masters"] + new["weights"], other["masters"] + other["weights"], strict=True):
             assert torch.equal(a, b)
     # each bf16 gradient is dropped once added to the fp32 buffer, instead of held to the end of backward
     assert new["bf16_grads_held"] == [0] * STEPS and old["bf16_grads_held"] == [old["parameters"]] * STEPS
+    assert results["bucketed"]["bf16_grads_held"] == [0] * STEPS  # the last bucket added before the step
+    # the bucketed add: several gradients a launch, a few launches a micro-batch
+    bucketed = results["bucketed"]
+    assert bucketed["micro_batches"] < bucketed["launches"] < bucketed["micro_batches"] * bucketed["parameters"] // 2
+    assert new["launches"] == 0  # on the CPU the add is torch's, one per gradient, not a launch
+    assert max(new["grad_norms"]) > 1.0  # optim.grad_clip: clipping (of the flat buffers) happened and matched
 
 
 def test_fp16_without_zero_is_refused_because_deepspeed_would_not_scale_the_loss():
