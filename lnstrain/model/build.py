@@ -92,7 +92,7 @@ def set_fp8_mode(module: nn.Module, mode: str, device_type: str | None = None) -
         layer.fp8 = recipe
     if recipe is not None:
         logger.info("precision.fp8 %s: %d linear layers compute in float8%s", mode, len(layers),
-                    " (torch._scaled_mm emulated: this torch build has none on the CPU)" if recipe.emulate else "")
+                    " (torch._scaled_mm's products emulated exactly off CUDA)" if recipe.emulate else "")
     return len(layers)
 
 
