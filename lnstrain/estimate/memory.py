@@ -66,6 +66,10 @@ head's inputs (2e·sbh) kept beside it:
     copy on CUDA as on the CPU; only fp16 on CUDA is read as it goes; the tensor-parallel form always
     copies). Backward starts with the logits' gradient, a 16-bit copy of the fp32 one, or the head's.
 
+FP8 linears (``precision.fp8``) add no term: they keep what the bf16 layers keep (the high-precision
+inputs and weights), and their float8 copies are transient, made one product at a time, in backward
+after the loss's logits are freed (CPU engines: the peak within 0.12 MB of bf16's at the test shape).
+
 Host memory, outside the phases: a checkpoint written in the background (``checkpoint.async_save``)
 is first copied into host buffers, kept from the first save on: the bytes of the rank's checkpoint
 files, its weights and optimizer state (``StageMemory.snapshot``; on data-parallel rank 0 under ZeRO

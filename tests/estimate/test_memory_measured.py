@@ -42,6 +42,7 @@ VARIANTS = {
         "parallel": {"zero_stage": 1}, "train": {"micro_batch_size": 2},
         "deepspeed": {"bf16": {"immediate_grad_update": False}}},
     "bf16 fp32-logits loss": {"model": {"cross_entropy": "fp32_logits"}},
+    "bf16 ZeRO 1 with fp8 linears": {"parallel": {"zero_stage": 1}, "precision": {"fp8": "tensorwise"}},
     "bf16 ZeRO 1 bf16 accumulation full": {"parallel": {"zero_stage": 1}, "precision": {"fp32_grad_accum": False},
                                            "train": {"activation_checkpointing": "full"}, "deepspeed": SMALL_BUCKET},
     "fp32 ZeRO 1 none": {"parallel": {"zero_stage": 1}, "precision": {"dtype": "fp32"}, "deepspeed": SMALL_BUCKET},
