@@ -123,7 +123,8 @@ class _Float8Linear(torch.autograd.Function):
                      w_scale.t() if recipe.rowwise else w_scale, x.dtype, recipe, fast_accum=True)
         ctx.save_for_backward(x, weight, x_scale, w_scale)
         ctx.recipe, ctx.groups, ctx.replica_rows = recipe, (k_group, n_group), replica_rows
-        return y.view(*x.shape[:-1], weight.shape[0])
+        # not a view (as F.linear's output is not): the row-parallel exit all-reduces it in place
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -196,6 +196,9 @@ def _tensor_parallel_pair(rank, world_size, names):
 
     groups = ParallelGroups.build(tensor=world_size, pipeline=1)
     results = {name: numpy(run_pair(groups, name)) for name in names}
+    sequence_parallel = ParallelGroups.build(tensor=world_size, pipeline=1, sequence_parallel=True)
+    results["compiled"] = {(name, on.sequence_parallel): compiled_block_against_eager(name, on, rank)
+                           for name in names for on in (groups, sequence_parallel)}
     # the control: every rank scales its shards by their own maxima (the MAX all-reduces left out)
     float8.dist = types.SimpleNamespace(
         ReduceOp=dist.ReduceOp,
@@ -226,6 +229,8 @@ def test_tensor_parallel_float8_equals_the_single_process_float8():
     by_rank = run_distributed(_tensor_parallel_pair, 2, names, timeout_s=240)
     layout = ParallelGroups(tp_size=2, tp_rank=0)
     up, down = mlp_pair(layout)
+    for result in by_rank:  # compiled under tensor and sequence parallelism: one graph, eager's bits
+        assert result["compiled"] == {(name, sp): (1, 0, True) for name in names for sp in (False, True)}
     unfused, _ = run_pair(ParallelGroups.single_process(), None)
     for name in names:
         single, single_scales = run_pair(ParallelGroups.single_process(), name)
@@ -265,21 +270,21 @@ def test_set_fp8_mode_reaches_the_blocks_linears_only_and_switches_back():
     assert all(getattr(module, "fp8", None) is None for module in model.modules())
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_a_compiled_block_traces_float8_into_one_graph_with_eagers_bits(name):
-    """``train.compile`` with float8 linears: dynamo and AOTAutograd (the ``aot_eager`` backend, what
-    inductor would receive) trace the whole block without a break and give eager's output and gradients."""
+def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int, int, bool]:
+    """(graphs, graph breaks, compiled == eager bit for bit) of a bf16 ``TransformerBlock`` with float8 linears
+    compiled with the ``aot_eager`` backend (what inductor would receive), on ``groups``' tensor ranks."""
     import torch._dynamo
 
     from lnstrain.model import TransformerBlock, model_preset
     from lnstrain.model.build import set_fp8_mode
 
-    block = TransformerBlock(model_preset("tiny", norm_scheme="lns", num_kv_heads=2), 2,
-                             ParallelGroups.single_process()).to(torch.bfloat16)
+    block = TransformerBlock(model_preset("tiny", norm_scheme="lns", num_kv_heads=2), 2, groups).to(torch.bfloat16)
     set_fp8_mode(torch.nn.ModuleList([block]), name)
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(2, 16, 32, generator=generator).to(torch.bfloat16)
     grad = torch.randn(2, 16, 32, generator=generator).to(torch.bfloat16)
+    if groups.sequence_parallel:
+        x, grad = (t.chunk(groups.tp_size, dim=1)[rank].contiguous() for t in (x, grad))
 
     def step(fn):
         block.zero_grad(set_to_none=True)
@@ -291,6 +296,12 @@ def test_a_compiled_block_traces_float8_into_one_graph_with_eagers_bits(name):
     eager = step(block)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(block)(x)
-    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
     compiled = step(torch.compile(block, backend="aot_eager"))
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    return explanation.graph_count, explanation.graph_break_count, all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_compiled_block_traces_float8_into_one_graph_with_eagers_bits(name):
+    """``train.compile`` with float8 linears: dynamo and AOTAutograd trace the whole block without a break
+    and give eager's output and gradients (under tensor and sequence parallelism: the multi-rank test)."""
+    assert compiled_block_against_eager(name, ParallelGroups.single_process()) == (1, 0, True)
