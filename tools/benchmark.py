@@ -14,11 +14,13 @@ plain runners, paired step-time ratios against the first runner with 95% interva
 memory next to the --dry-run estimate. Exit status 2: a bad config or option, nothing was timed.
 
 --switches times one engine with each change of the default path left out in turn (the Triton kernels,
-the fused gradient accumulation, LNS's factor: ``lnstrain/benchmark/switches.py``), interleaved with the
-engine as built, so that one call says what each change is worth:
+the fused gradient accumulation, LNS's factor, the chunked loss: ``lnstrain/benchmark/switches.py``),
+interleaved with the engine as built, so that one call says what each change is worth:
 
     python tools/benchmark.py --config configs/bench/1b_seq2048.yaml --baseline none \
-        --switches lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation --profile-steps 1
+        --switches lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation,chunked_loss --profile-steps 1
+    python tools/benchmark.py --config configs/bench/1b_seq2048.yaml --baseline none \
+        --set precision.fp8=tensorwise --switches fp8        # float8 linears against bf16, one engine
 
 --profile-steps profiles the first runner right after its warm-up, before any other runner is built or
 timed, and writes that profile at once beside the report (``<report>.profile.json``), so that it survives
@@ -51,7 +53,7 @@ from lnstrain.benchmark.memory import memory_report, peak_memory, reset_peak, te
 from lnstrain.benchmark.peak import resolve_peak  # noqa: E402
 from lnstrain.benchmark.profile import profile_steps  # noqa: E402
 from lnstrain.benchmark.report import (SCHEMA, environment, flops_section, format_report,  # noqa: E402
-                                       shape, triton_kernels)
+                                       peak_section, shape, triton_kernels)
 from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRunner, RunnerSpec,  # noqa: E402
                                         SchemeSwitch, StepRunner, SwitchBoard, SwitchUnavailable,
                                         synthetic_micro_batches, with_norm_scheme)
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         "environment": environment(device, world_size),
         "shape": shape(config, world_size, device.type),
         "flops": flops_section(flops),
-        "peak": {"tflops": peak.tflops, "dtype": "bf16 dense", "source": peak.source},
+        "peak": peak_section(peak, config.precision.fp8),
         "protocol": {"warmup_steps": args.warmup, "timed_steps": timed_steps, "requested_steps": args.steps,
                      "order": "interleaved, alternating",
                      "data": "fixed synthetic batch", "step_time": "slowest rank per step"},

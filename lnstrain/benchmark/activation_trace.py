@@ -6,9 +6,9 @@ configured activation checkpointing, and measures with ``LiveTensorBytes``: the 
 keeps for backward, the forward's peak above the weights, and the peak over forward and backward
 (the gradients included). Nothing is allocated, so a 7B model traces on a laptop in seconds.
 
-The CPU's kernels stand in for CUDA's: the same saved tensors, except that the CPU's log-softmax
-upcasts 16-bit logits to an fp32 copy first (4·s·b·V bytes in the forward's peak) where CUDA reads
-them as it goes.
+The CPU's kernels stand in for CUDA's: the same saved tensors and the same loss transients (the
+chunked loss's one fp32 chunk; with ``model.cross_entropy: fp32_logits`` an fp32 copy of bf16 logits,
+which ATen's log-softmax makes on CUDA too, and skips only for fp16 there).
 """
 
 from __future__ import annotations

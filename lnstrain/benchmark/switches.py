@@ -5,11 +5,9 @@ Each entry of ``SWITCHES`` is one change: its name, what the engine runs without
 switched on a given engine (None when it can), and how to turn it on or off on a built ``TrainingEngine``.
 "On" is the engine as ``build_engine`` made it (the default path); "off" is the path the change replaced.
 A switch changes no weight, optimizer state or checkpoint: it selects code. The runners that step an
-engine with some switches off are ``runners.SwitchBoard``'s. A new change (a loss, FP8 linears) is one
-more ``Switch`` here:
-
-    Switch("fused_loss", "the loss over an fp32 copy of the logits", lambda engine: None,
-           lambda engine, on: ...)
+engine with some switches off are ``runners.SwitchBoard``'s. A new change is one more ``Switch`` here.
+FP8 linears are opt-in, not the default path: their switch needs an engine built with ``precision.fp8``,
+and times it against the same engine's bf16 linears (``--set precision.fp8=tensorwise --switches fp8``).
 
 Switching a change that lives inside compiled layers (the Triton kernels, FP8) makes dynamo compile
 those layers again the first time, as a guard on the switched attribute fails; ``SwitchBoard`` raises
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lnstrain.model.block import TransformerBlock
-from lnstrain.model.build import TRITON_KERNELS, set_triton_kernel
+from lnstrain.model.build import TRITON_KERNELS, set_fp8_mode, set_triton_kernel
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
@@ -76,6 +74,15 @@ def _kernel_switch(name: str, kernel: str, without: str) -> Switch:
                   lambda engine, on: set_triton_kernel(engine.module, kernel, on and _kernel_usable(engine, kernel)))
 
 
+def _turn_chunked_loss(engine: TrainingEngine, on: bool) -> None:
+    # the engine, the model and the pipeline's loss share this config section and read it at every call
+    engine.config.model.cross_entropy = "chunked" if on else "fp32_logits"
+
+
+def _turn_fp8(engine: TrainingEngine, on: bool) -> None:
+    set_fp8_mode(engine.module, engine.config.precision.fp8 if on else "none")
+
+
 SWITCHES: dict[str, Switch] = {switch.name: switch for switch in (
     Switch("lns_factor", "Pre-LN: every norm's factor 1, its multiply skipped (the schemes differ only there)",
            lambda engine: None if _lns_norms(engine) else "the model has no norm with an LNS factor (norm_scheme lns)",
@@ -86,6 +93,16 @@ SWITCHES: dict[str, Switch] = {switch.name: switch for switch in (
            lambda engine: None if engine.fused_accumulation is not None else
            "the engine's optimizer is not DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation at ZeRO 1)",
            lambda engine, on: engine.fused_accumulation.set_enabled(on)),
+    Switch("chunked_loss", "the cross-entropy over an fp32 copy of the logits, keeping fp32 log-probabilities "
+           "(model.cross_entropy: fp32_logits)",
+           lambda engine: None if engine.config.model.cross_entropy == "chunked" else
+           "the engine's loss is model.cross_entropy: fp32_logits already",
+           _turn_chunked_loss),
+    Switch("fp8", "bf16 linear layers (precision.fp8: none)",
+           lambda engine: None if engine.config.precision.fp8 != "none" else
+           "the engine computes without float8 (build it with --set precision.fp8=tensorwise or rowwise to time "
+           "float8 against bf16)",
+           _turn_fp8),
 )}
 
 

@@ -23,6 +23,8 @@ E = min(ψ, 500M) the engine's all-reduce bucket, R the ZeRO reduce bucket, m th
     none            -                  4ψ + 4E (.grad, flattened copy)        4ψ + 4m (clipping)
     fp16_unfused    -                  2ψ + 2E                                2ψ + 4ψ (fp32 copies)
     bf16_optimizer  4ψ (fp32 accum.)   2ψ + 6E (+ fp32 copy sent)             2ψ
+                    (its bf16 gradients, kept and zeroed between micro-batches, also live through the
+                    later micro-batches' forwards: 2ψ there)
     (bf16 gradients added to the fp32 buffer in backward, lnstrain's default at pipeline size 1:
                                        6E                                     0)
     zero, fp32      -                  4ψ + 4R                                8ψ/d
@@ -61,10 +63,20 @@ fp32 statistic, SwiGLU recomputes silu in backward):
   Recomputation: ``selective`` drops C; ``full`` keeps only each layer's input, e·sbh (/t with
   sequence parallelism), and one layer's full activations exist while it is recomputed in backward.
   A 1F1B pipeline keeps min(p - stage, accumulation steps) micro-batches in flight on a stage.
-The loss (last stage, V the padded vocabulary): its fp32 log-probabilities, 4·s·b·V/t, are kept for
-backward, with the final norm's and the head's inputs (2e·sbh); the logits, e·s·b·V/t, live while the loss is computed (plus an fp32 copy of 16-bit logits
-where the kernel upcasts first: on the CPU, and in the tensor-parallel loss). Backward starts with the
-gradient of the logits (a 16-bit copy of the fp32 one) and of the head.
+The loss (last stage, V the padded vocabulary, ``model.cross_entropy``), with the final norm's and the
+head's inputs (2e·sbh) kept beside it:
+  * ``chunked`` (the default) keeps the logits, e·s·b·V/t, and an fp32 log-sum-exp per token for
+    backward, and holds one fp32 chunk of c = min(s·b, ``chunk_tokens``) tokens at a time, 4·c·V/t, in
+    forward and in backward; the logits' gradient is written over the logits. Backward then adds the
+    head's gradients.
+  * ``fp32_logits`` keeps fp32 log-probabilities (or the softmax), 4·s·b·V/t; the logits, e·s·b·V/t, live
+    while the loss is computed, with an fp32 copy of 16-bit logits (ATen's log-softmax upcasts bf16 into a
+    copy on CUDA as on the CPU; only fp16 on CUDA is read as it goes; the tensor-parallel form always
+    copies). Backward starts with the logits' gradient, a 16-bit copy of the fp32 one, or the head's.
+
+FP8 linears (``precision.fp8``) add no term: they keep what the bf16 layers keep (the high-precision
+inputs and weights), and their float8 copies are transient, made one product at a time, in backward
+after the loss's logits are freed (CPU engines: the peak within 0.12 MB of bf16's at the test shape).
 
 Host memory, outside the phases: a checkpoint written in the background (``checkpoint.async_save``)
 is first copied into host buffers, kept from the first save on: the bytes of the rank's checkpoint
@@ -80,6 +92,7 @@ from lnstrain.config.feasibility import OptimizerKind, optimizer_kind
 from lnstrain.config.run_config import Config
 from lnstrain.estimate.parameters import largest_tensor_elements, stage_layer_counts, stage_parameters
 from lnstrain.model.config import ModelConfig
+from lnstrain.parallel.cross_entropy import chunk_tokens
 
 GIB = 1024**3
 CHECKPOINTING_MODES = ("none", "selective", "full")
@@ -106,13 +119,14 @@ class StageMemory:
     """DeepSpeed's buffers held between steps (BF16_Optimizer's fp32 gradients, ZeRO 3's bucket)."""
     activations: dict[str, float]
     """Kept for backward at the end of the forward, by checkpointing mode: every micro-batch in
-    flight, and on the last stage the loss's fp32 log-probabilities."""
+    flight, and on the last stage what the loss keeps (the logits, or fp32 log-probabilities)."""
     forward_transient: float
-    """Live only while the loss is computed: the logits (and an fp32 copy where the kernel upcasts); or,
-    when larger, a layer's attention working set across the context split."""
+    """Live only while the loss is computed: its fp32 chunk (``chunked``), or the logits and an fp32 copy
+    of them (``fp32_logits``); or, when larger, a layer's attention working set across the context split."""
     backward_transient: float
-    """At the start of backward, beside the activations: the gradients of the logits and of the head (or,
-    when larger, a layer's backward working set across the context split)."""
+    """At the start of backward, beside the activations: the loss's fp32 chunk or a new gradient of the
+    logits, then the head's gradients, whichever is larger (or, when larger, a layer's backward working set
+    across the context split)."""
     recompute: dict[str, float]
     """During backward, beside the activations: the layer being recomputed (``full``)."""
     gradients: float
@@ -281,7 +295,8 @@ def _optimizer_terms(config: Config, world_size: int, kind: OptimizerKind, param
         return _OptimizerTerms(12 * params, 0.0, 2 * params + 2 * flat, 6 * params, 2 * params)
     if kind is OptimizerKind.BF16_OPTIMIZER:
         bf16_grads = 0.0 if _bf16_gradients_dropped_in_backward(config, world_size) else 2 * params
-        return _OptimizerTerms(12 * params / d, 4 * params, bf16_grads + 6 * flat, bf16_grads, 0.0)
+        # kept and zeroed after each backward, so held through the later micro-batches' forwards
+        return _OptimizerTerms(12 * params / d, 4 * params, bf16_grads + 6 * flat, bf16_grads, bf16_grads)
     bucket, overlap = _reduce_bucket(config, world_size)
     if kind is OptimizerKind.ZERO:
         bucket_bytes = e * bucket * (2 if overlap else 1)
@@ -302,26 +317,29 @@ def _optimizer_terms(config: Config, world_size: int, kind: OptimizerKind, param
 
 
 def _loss_terms(config: Config, device: str) -> tuple[float, float, float]:
-    """(kept, forward transient, backward transient) bytes of the loss on the last stage. Kept: the
-    fp32 log-probabilities, the final norm's input (split by sequence parallelism) and fp32 row
-    statistic, and the head's input."""
+    """(kept, forward transient, backward transient) bytes of the loss on the last stage (the module
+    docstring). Kept besides the loss's own: the final norm's input (split by sequence parallelism) and
+    its fp32 row statistic, and the head's input."""
     model, t = config.model, config.parallel.tensor
     tokens, e = config.data.seq_len * config.train.micro_batch_size // config.parallel.context, element_bytes(config)
     vocab = model.padded_vocab_size(t) / t
-    upcast_copy = 4 * tokens * vocab if e < 4 and (device == "cpu" or t > 1) else 0.0
-    forward = e * tokens * vocab + upcast_copy
-    logits_grad = e * tokens * vocab if e < 4 else 0.0
     head_grads = e * vocab * model.hidden_size + e * tokens * model.hidden_size
     norm_split = t if config.parallel.sequence_parallel else 1
     head_input = e * tokens * model.hidden_size * (1 + 1 / norm_split) + 4 * tokens / norm_split
-    return 4 * tokens * vocab + head_input, forward, max(logits_grad, head_grads)
+    if model.cross_entropy == "chunked":
+        chunk = 4 * min(tokens, chunk_tokens(int(vocab))) * vocab
+        return e * tokens * vocab + 4 * tokens + head_input, chunk, max(chunk, head_grads)
+    reads_as_it_goes = device == "cuda" and config.precision.dtype == "fp16" and t == 1
+    upcast_copy = 4 * tokens * vocab if e < 4 and not reads_as_it_goes else 0.0
+    logits_grad = e * tokens * vocab if e < 4 else 0.0
+    return 4 * tokens * vocab + head_input, e * tokens * vocab + upcast_copy, max(logits_grad, head_grads)
 
 
 def memory_estimate(config: Config, world_size: int, device: str = "cuda") -> MemoryEstimate:
     """Per-rank memory of ``config`` on ``world_size`` ranks (layout from ``config.parallel``).
 
     ``device``: ``cuda`` (the default, what the dry run plans for) or ``cpu``, whose kernels keep a
-    few tensors CUDA's do not (an fp32 copy of 16-bit logits in the loss).
+    few tensors CUDA's do not (the loss's fp32 copies of 16-bit inputs to mixed-dtype operations).
     """
     model, par = config.model, config.parallel
     tp, pp = par.tensor, par.pipeline

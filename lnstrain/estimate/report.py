@@ -71,7 +71,7 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
         },
         "flops_per_token": {
             "formula": FLOPS_FORMULA, "matmul_params": flops.matmul_params,
-            "noncausal": flops.noncausal, "causal": flops.causal,
+            "noncausal": flops.noncausal, "causal": flops.causal, "fp8": config.precision.fp8,
         },
         "budget": {
             "seq_len": seq_len, "global_batch_size": config.train.global_batch_size,
@@ -154,6 +154,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  formula: {fl['formula']}",
         f"  non-causal (MFU convention): {fl['noncausal']:,} ({_count(fl['noncausal'])})",
         f"  causal:                      {fl['causal']:,} ({_count(fl['causal'])})",
+        *([f"  precision.fp8 {fl['fp8']}: the same FLOPs in float8 linears; MFU against the dense bf16 peak "
+           "(torchtitan's convention)"] if fl.get("fp8", "none") != "none" else []),
         "Token budget",
         f"  tokens per step: {bud['tokens_per_step']:,} (global batch {bud['global_batch_size']} × "
         f"sequence {bud['seq_len']})",

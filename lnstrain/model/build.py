@@ -9,8 +9,9 @@
    projections and embeddings; norms are replicated). At pipeline size 1 that is a ``Transformer``;
    with a pipeline, this rank's stage of a DeepSpeed ``PipelineModule`` (``model.pipeline``), cut
    between layers that keep their global number ℓ, so LNS's 1/√ℓ is the same in every layout.
-   Activation checkpointing and ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by
-   default, never at ZeRO 3) are applied here, to every ``TransformerBlock``, once.
+   Activation checkpointing, ``precision.fp8`` (``set_fp8_mode``: the blocks' linear layers only) and
+   ``train.compile`` (``config.feasibility.compiles_layers``: on CUDA by default, never at ZeRO 3) are
+   applied here, to every ``TransformerBlock``, once.
 3. ``select_triton_kernels(module, device, dtype)``, once the model is on its device: each Triton kernel
    (the q|k|v rotation, SwiGLU) stays on where it runs on that device and dtype and has given the eager
    ops' bits there, and is turned off elsewhere, so that compiled layers fuse plain ops instead of calling
@@ -36,7 +37,9 @@ from lnstrain.model.kernels import swiglu_kernel_usable
 from lnstrain.model.mlp import SwiGLUMLP
 from lnstrain.model.rotary import RotaryEmbedding, kernel_usable
 from lnstrain.model.transformer import Transformer
+from lnstrain.parallel.float8 import recipe_for
 from lnstrain.parallel.groups import ParallelGroups
+from lnstrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from lnstrain.config.run_config import Config
@@ -67,12 +70,31 @@ def build_model(config: Config, groups: ParallelGroups, device_type: str = "cpu"
     for block in blocks:
         block.set_activation_checkpointing(config.train.activation_checkpointing)
         block.attention.sdpa_backends = attention_kernels
+    set_fp8_mode(module, config.precision.fp8, device_type)
     if compiles_layers(config, device_type):
         backend = config.train.compile_backend
         logger.info("train.compile: torch.compile (%s) compiles the transformer layers during the first step", backend)
         for block in blocks:
             block.compile(backend=backend)
     return module
+
+
+def set_fp8_mode(module: nn.Module, mode: str, device_type: str | None = None) -> int:
+    """Make the linear layers of ``module``'s transformer blocks compute in float8 by ``mode``
+    (``precision.fp8``: ``none``, ``tensorwise`` or ``rowwise``), in place, on a built model or an engine's
+    module alike; the embedding and the output head are never touched. ``device_type``: where the model
+    trains (default: where its parameters are). Returns the number of layers set."""
+    if device_type is None:
+        device_type = next(module.parameters()).device.type
+    recipe = recipe_for(mode, device_type)
+    layers = [layer for block in module.modules() if isinstance(block, TransformerBlock)
+              for layer in block.modules() if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        layer.fp8 = recipe
+    if recipe is not None:
+        logger.info("precision.fp8 %s: %d linear layers compute in float8%s", mode, len(layers),
+                    " (torch._scaled_mm's products emulated exactly off CUDA)" if recipe.emulate else "")
+    return len(layers)
 
 
 TRITON_KERNELS = {"rotary": (RotaryEmbedding, kernel_usable), "swiglu": (SwiGLUMLP, swiglu_kernel_usable)}

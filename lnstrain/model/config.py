@@ -52,8 +52,16 @@ class ModelConfig:
     """The SDPA kernel attention runs: ``auto`` prefers cuDNN's on Hopper GPUs (compute capability 9),
     then flash, memory-efficient and math as each fits, and leaves the choice to torch elsewhere; a named
     kernel is the only one allowed (torch raises where it cannot run the shapes or dtype)."""
+    cross_entropy: Literal["chunked", "fp32_logits"] = "chunked"
+    """How the loss computes its cross-entropy (``lnstrain.parallel.cross_entropy``), in fp32 either way:
+    ``chunked`` (the default) reads the 16-bit logits chunk by chunk and keeps only them and an fp32
+    log-sum-exp per token for backward, which writes the logits' gradient over them;
+    ``fp32_logits``, the implementation it replaced, kept for reference and for the benchmark's
+    comparison, holds fp32 log-probabilities (and, from bf16 logits, an fp32 copy while computing them):
+    8 bytes per logit more at the forward's peak (10 against 2 and a chunk). Read at every call, so it
+    may be switched on a built model."""
 
-    EXECUTION_ONLY_KEYS = frozenset({"attention_backend"})
+    EXECUTION_ONLY_KEYS = frozenset({"attention_backend", "cross_entropy"})
     """Keys that choose how the same model is computed, not what it computes: a run may change them on resume."""
 
     def __post_init__(self) -> None:

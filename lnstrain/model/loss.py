@@ -1,7 +1,8 @@
 """The language-model loss: next-token cross-entropy over the counted tokens, token-weighted.
 
 Both reductions start from the same per-token loss (``vocab_parallel_cross_entropy``: logits stay
-sharded over the vocabulary, padded entries excluded):
+sharded over the vocabulary, padded entries excluded, fp32 arithmetic without an fp32 copy of the logits
+unless ``model.cross_entropy: fp32_logits``):
 
 - ``weighted_token_loss``: sum(token loss * weight). Training's loss, on the plain and the pipeline
   path alike: ``training.batches.weigh_micro_batches`` picks the weights so that DeepSpeed's
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, cfg: ModelConfig,
                  groups: ParallelGroups) -> torch.Tensor:
-    """Per-token cross-entropy [batch, seq] (fp32) from this rank's logits [batch, seq, padded_vocab / tp]."""
-    return vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size)
+    """Per-token cross-entropy [batch, seq] (fp32) from this rank's logits [batch, seq, padded_vocab / tp],
+    by ``cfg.cross_entropy``'s implementation as it is at this call."""
+    return vocab_parallel_cross_entropy(logits, labels, groups, cfg.vocab_size, cfg.cross_entropy)
 
 
 def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,

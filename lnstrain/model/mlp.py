@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lnstrain.model.config import ModelConfig
@@ -26,7 +25,7 @@ class GateUpLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = enter_tp_region(x, self.groups)
         gate_weight, up_weight = self.weight.split(self.local_sizes)
-        return F.linear(x, gate_weight), F.linear(x, up_weight)
+        return self.product(x, gate_weight), self.product(x, up_weight)
 
 
 class SwiGLUMLP(nn.Module):

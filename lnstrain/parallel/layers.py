@@ -9,6 +9,10 @@ made of fewer units (heads) than there are ranks is replicated: rank r holds uni
 r * units // tp, shared with its tp / units neighbours, and each copy sees only its own
 rank's uses; backward sums the copies' gradients over those neighbours, inside autograd.
 
+The linear layers compute in float8 when given a recipe (``fp8``, set on the transformer blocks' layers by
+``model.build.set_fp8_mode``; ``parallel.float8``), with scales that make tensor-parallel FP8 equal to
+single-process FP8.
+
 Each sharded weight carries the attributes DeepSpeed (and lnstrain's own clipping) read:
 `tensor_model_parallel` (count this rank's gradient in the global norm; parameters without it
 are counted on tensor rank 0 only), `partition_dim` and `partition_stride` (as Megatron sets them).
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lnstrain.parallel.float8 import Float8Recipe, fits_float8, float8_linear
 from lnstrain.parallel.mappings import enter_tp_region, exit_tp_region, gather_from_tp, linear_summing_replica_grads
 
 if TYPE_CHECKING:
@@ -58,10 +63,24 @@ class ShardedWeightLayer(nn.Module):
     partition_dim: int
     groups: ParallelGroups
     weight: nn.Parameter
+    fp8: Float8Recipe | None = None
+    """The float8 recipe of this layer's products (``parallel.float8``); None: the activations' dtype."""
 
     def weight_counted_here(self) -> bool:
         """Whether this rank's weight gradient belongs in the global gradient norm."""
         return self.groups.tp_size > 1
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor,
+                replica_rows: Sequence[tuple[slice, object]] = ()) -> torch.Tensor:
+        """x weightᵀ (``weight`` this layer's, or a block of its rows), in float8 under ``fp8`` where the
+        shapes allow it; ``replica_rows`` as in ``mappings.linear_summing_replica_grads``."""
+        if self.fp8 is not None and fits_float8(x, weight):
+            split = self.groups.tp_group if self.groups.tp_size > 1 else None
+            return float8_linear(x, weight, self.fp8, k_group=split if self.partition_dim == 1 else None,
+                                 n_group=split if self.partition_dim == 0 else None, replica_rows=replica_rows)
+        if replica_rows:
+            return linear_summing_replica_grads(x, weight, replica_rows)
+        return F.linear(x, weight)
 
     def mark_weight(self) -> None:
         """Set the weight's markers (init_weights sets them again: ``to_empty`` makes new Parameters)."""
@@ -135,11 +154,8 @@ class ColumnParallelLinear(ShardedWeightLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x = enter_tp_region(x, self.groups)
-        if self.replica_rows:
-            groups = [(rows, self.groups.tp_replica_group(copies)) for rows, copies in self.replica_rows]
-            y = linear_summing_replica_grads(x, self.weight, groups)
-        else:
-            y = F.linear(x, self.weight)
+        replicas = [(rows, self.groups.tp_replica_group(copies)) for rows, copies in self.replica_rows]
+        y = self.product(x, self.weight, replicas)
         return gather_from_tp(y, self.groups) if self.gather_output else y
 
     def shard(self, full_weight: torch.Tensor) -> torch.Tensor:
@@ -180,7 +196,7 @@ class RowParallelLinear(ShardedWeightLayer):
         self.mark_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_tp_region(F.linear(x, self.weight), self.groups)
+        return exit_tp_region(self.product(x, self.weight), self.groups)
 
     def shard(self, full_weight: torch.Tensor) -> torch.Tensor:
         return full_weight.chunk(self.groups.tp_size, dim=1)[self.groups.tp_rank]

@@ -66,6 +66,14 @@ class PrecisionConfig:
     Attributes:
         dtype: ``bf16`` (fp32 master weights), ``fp16`` (dynamic loss scaling) or ``fp32``.
         fp32_grad_accum: with bf16, accumulate gradients across micro-batches in fp32.
+        fp8: the transformer blocks' linear layers compute in float8 with dynamic scaling
+            (``lnstrain.parallel.float8``): ``tensorwise`` (one scale per tensor; e4m3 for activations and
+            weights, e5m2 for gradients) or ``rowwise`` (one power-of-two scale per row, e4m3 throughout),
+            torchao's recipes of those names; ``none`` (the default) computes in ``dtype``. Only with
+            ``dtype: bf16``, and on a GPU of compute capability 8.9 or newer (on the CPU it runs, slowly,
+            for tests). A compute choice: weights, optimizer state and checkpoints are unchanged, so a run
+            may resume with or without it; the embedding and the output head stay in bf16. MFU is still
+            counted against the bf16 peak.
         initial_loss_scale_power: fp16 only: the first loss scale is 2**this.
         loss_scale_window: fp16 only: steps without overflow before the scale doubles.
         hysteresis: fp16 only: overflows tolerated before the scale halves.
@@ -74,6 +82,7 @@ class PrecisionConfig:
 
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     fp32_grad_accum: bool = True
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     initial_loss_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
@@ -91,6 +100,10 @@ class PrecisionConfig:
                             f"(got {self.initial_loss_scale_power})")
         if self.loss_scale_window < 1:
             problems.append(f"precision.loss_scale_window must be >= 1 (got {self.loss_scale_window})")
+        if self.fp8 != "none" and self.dtype != "bf16":
+            problems.append(f"precision.fp8 {self.fp8} needs precision.dtype: bf16 (got {self.dtype}): its products "
+                            "return bf16, and fp16's loss scaling would meet scales of its own; set "
+                            "precision.dtype: bf16, or precision.fp8: none")
         return problems
 
 

@@ -249,7 +249,7 @@ class TrainingEngine:
         weighted, _ = weigh_micro_batches(micro_batches, self.groups, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, after the step
         for index, micro in enumerate(weighted):
-            # the logits are not kept for backward (the loss keeps its own fp32 buffer): no name holds them
+            # no name holds the logits: the loss alone keeps them for backward, which overwrites them
             loss = weighted_token_loss(self._deepspeed(micro.inputs), micro.labels, micro.weights, self.config.model,
                                        self.groups)
             self._deepspeed.backward(loss)

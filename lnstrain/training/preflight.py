@@ -142,11 +142,15 @@ def resume_problems(config: Config, compare_data: bool = True, world_size: int |
     return problems + data_mismatch_problems(metadata, step_dir, fingerprint, tokenizer_checksum(config))
 
 
+FP8_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with float8 tensor cores (Ada); ``torch._scaled_mm`` refuses older."""
+
+
 def device_problems(config: Config, local_rank: int) -> list[str]:
     """This machine can run the precision, and has a GPU for this rank (lnstrain uses GPU ``LOCAL_RANK``)."""
     import torch
 
-    dtype, attention = config.precision.dtype, config.model.attention_backend
+    dtype, attention, fp8 = config.precision.dtype, config.model.attention_backend, config.precision.fp8
     if not torch.cuda.is_available():
         problems = []
         if dtype == "fp16":  # DeepSpeed's CPU accelerator takes it only on CPUs with fp16 instructions
@@ -169,6 +173,11 @@ def device_problems(config: Config, local_rank: int) -> list[str]:
             problems.append(f"precision.dtype is fp16, which DeepSpeed supports from compute capability 7.0, and "
                             f"{torch.cuda.get_device_name(local_rank)} is {major}.{minor}; use precision.dtype: fp32"
                             + (" (or DS_ALLOW_DEPRECATED_FP16=1)" if major == 6 else ""))
+    if local_rank < count and fp8 != "none" and torch.cuda.get_device_capability(local_rank) < FP8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(local_rank)
+        problems.append(f"precision.fp8 is {fp8}, whose float8 matrix products need compute capability 8.9 or newer "
+                        f"(Ada, Hopper, Blackwell), and {torch.cuda.get_device_name(local_rank)} is {major}.{minor}; "
+                        "set precision.fp8: none")
     return problems
 
 

@@ -54,6 +54,21 @@ def test_peak_override_and_unknown_device():
         resolve_peak("NVIDIA H200", 0.0)
 
 
+def test_fp8_mfu_is_counted_against_the_bf16_peak():
+    """torchtitan's convention: float8 linears do the same model FLOPs and MFU keeps the dense bf16 peak, so
+    an FP8 step 1.2x faster shows as 1.2x the MFU."""
+    from lnstrain.benchmark.report import peak_section
+
+    h100 = resolve_peak("NVIDIA H100 80GB HBM3", None)
+    assert peak_section(h100, "none") == {"tflops": 989.0, "dtype": "bf16 dense", "source": "table:H100"}
+    section = peak_section(h100, "rowwise")
+    assert section["tflops"] == 989.0 and section["dtype"] == "bf16 dense"
+    assert "precision.fp8 rowwise" in section["note"] and "bf16 peak" in section["note"]
+    flops = flops_per_token(model_preset("1b_fast", max_seq_len=2048), 2048)
+    bf16, fp8 = (throughput(seconds, 65536, flops, 1, section["tflops"]) for seconds in (1.2, 1.0))
+    assert fp8.mfu / bf16.mfu == pytest.approx(1.2)
+
+
 def test_summary_and_paired_ratio():
     summary = summarize([1.0, 2.0, 3.0, 4.0, 100.0])
     assert (summary.median, summary.min, summary.max) == (3.0, 1.0, 100.0)

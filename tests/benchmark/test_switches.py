@@ -62,6 +62,56 @@ print("RESULT", repr(result))
 """
 
 
+LOSS_AND_FP8 = """
+from lnstrain.benchmark.runners import EngineRunner, SwitchBoard, synthetic_micro_batches
+from lnstrain.config.run_config import load_config
+from lnstrain.parallel.layers import ShardedWeightLayer
+import torch
+
+def config(*overrides):
+    return load_config("configs/bench/tiny.yaml", ["train.compile=false", "precision.dtype=bf16",
+                       "parallel.zero_stage=1", *overrides], 1, validate=False)
+
+built = config("precision.fp8=tensorwise")
+batches = synthetic_micro_batches(built, built.grad_accumulation_steps(1), 0)
+
+def engine(configured):
+    return EngineRunner("engine", configured, batches, torch.device("cpu"))
+
+def state(board):
+    engine = board.runner.engine
+    return {"loss": engine.config.model.cross_entropy,
+            "fp8": sorted({str(m.fp8) for m in engine.module.modules() if isinstance(m, ShardedWeightLayer)})}
+
+result = {}
+for name, off in (("no fp8", ("fp8",)), ("fp32 logits", ("chunked_loss",)), ("default", ())):
+    board = SwitchBoard(engine(config("precision.fp8=tensorwise")), ["chunked_loss", "fp8"])  # its own config
+    runner = board.runner_for(name, off)
+    result[name] = {"losses": [runner.step() for _ in range(2)], **state(board)}
+for name, overrides in (("bf16 engine", ()), ("fp32 logits engine", ("precision.fp8=tensorwise",
+                                                                    "model.cross_entropy=fp32_logits")),
+                        ("fp8 engine", ("precision.fp8=tensorwise",))):
+    reference = engine(config(*overrides))
+    result[name] = [reference.step() for _ in range(2)]
+without = SwitchBoard(engine(config()), ["chunked_loss", "fp8"])
+result["unavailable"] = without.unavailable
+print("RESULT", repr(result))
+"""
+
+
+def test_the_loss_and_fp8_switches_compute_what_an_engine_built_without_them_computes():
+    """An engine built with ``precision.fp8: tensorwise`` and the chunked loss, stepped with FP8 switched off,
+    gives a bf16 engine's losses bit for bit; with the chunked loss switched off, an fp32-logits engine's; both
+    on, its own. An engine without float8 cannot switch FP8 off and says why."""
+    steps = _result_of(LOSS_AND_FP8)
+    assert steps["no fp8"]["losses"] == steps["bf16 engine"] and steps["no fp8"]["fp8"] == ["None"]
+    assert steps["fp32 logits"]["losses"] == steps["fp32 logits engine"]
+    assert steps["fp32 logits"]["loss"] == "fp32_logits"
+    assert steps["default"]["losses"] == steps["fp8 engine"] != steps["bf16 engine"]
+    assert steps["default"]["loss"] == "chunked" and len(steps["default"]["fp8"]) == 2  # blocks' and the head's
+    assert steps["unavailable"]["chunked_loss"] is None and "precision.fp8" in steps["unavailable"]["fp8"]
+
+
 def _result_of(script: str) -> dict:
     """What ``script`` prints after RESULT, run in a fresh interpreter (its own one-rank process group)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -148,5 +198,6 @@ def test_what_the_switches_cannot_time_is_refused_before_anything_runs(options, 
 
 def test_switch_sets_and_the_registry():
     assert parse_switch_sets("a, b+c ,,d") == [("a",), ("b", "c"), ("d",)]
-    assert set(SWITCHES) >= {"lns_factor", "rotary_kernel", "swiglu_kernel", "fused_accumulation"}
+    assert set(SWITCHES) >= {"lns_factor", "rotary_kernel", "swiglu_kernel", "fused_accumulation", "chunked_loss",
+                             "fp8"}
     assert all(switch.without for switch in SWITCHES.values())

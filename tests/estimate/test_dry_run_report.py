@@ -38,6 +38,15 @@ def test_7b_report_mentions_every_item():
         assert item in text, item
 
 
+def test_fp8_keeps_the_flops_and_says_mfu_stays_against_the_bf16_peak():
+    plain = load_config(CONFIGS / "bench" / "1b_seq2048.yaml", validate=False)
+    fp8 = load_config(CONFIGS / "bench" / "1b_seq2048.yaml", ["precision.fp8=rowwise"], validate=False)
+    plain_text, fp8_text = dry_run_report(plain, world_size=1), dry_run_report(fp8, world_size=1)
+    assert "precision.fp8 rowwise: the same FLOPs in float8 linears; MFU against the dense bf16 peak" in fp8_text
+    assert "precision.fp8" not in plain_text
+    assert "non-causal (MFU convention): 9,000,529,920" in plain_text and "9,000,529,920" in fp8_text
+
+
 def test_missing_data_is_a_note_but_config_problems_fail():
     config = load_config(CONFIGS / "130m_lns.yaml", validate=False)
     summary = dry_run_summary(config, 8)

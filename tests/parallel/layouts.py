@@ -44,6 +44,10 @@ class Layout:
     fused_qkv: bool = True
     context: int = 1
     context_method: str = "ring"
+    fp8: str = "none"
+    fp8_in_place: str = "none"
+    """Switch the built engine's blocks to this float8 mode (``set_fp8_mode``), whatever the dtype: fp32
+    engines then check float8's parity without bf16's rounding."""
 
     def config(self, steps: int = STEPS) -> Config:
         return make_config(self, steps)
@@ -67,7 +71,7 @@ def make_config(layout: Layout, steps: int = STEPS, num_layers: int = 6) -> Conf
         optim=OptimConfig(name="adamw", lr=3e-3, weight_decay=0.1, warmup_steps=2, grad_clip=1.0),
         train=TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, steps=steps,
                           activation_checkpointing=layout.checkpointing),
-        precision=PrecisionConfig(dtype=layout.dtype))
+        precision=PrecisionConfig(dtype=layout.dtype, fp8=layout.fp8))
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +141,10 @@ def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[st
     config = layout.config(steps)
     groups = build_groups(config)
     engine = build_engine(config, groups)
+    if layout.fp8_in_place != "none":
+        from lnstrain.model.build import set_fp8_mode
+
+        set_fp8_mode(engine.module, layout.fp8_in_place)
     captured: dict[str, torch.Tensor] = {}
 
     def capture() -> None:

@@ -112,16 +112,19 @@ def test_every_broken_token_file_and_a_malformed_init_from_record_are_listed_tog
 
 def test_a_misspelt_key_a_wrong_type_an_impossible_layout_and_fp16_on_cpu_are_listed_together(tiny_corpus, tmp_path):
     overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [
-        "optim.lrr=1e-3", "train.micro_batch_size=two", "parallel.pipeline=4", "precision.dtype=fp16"]
+        "optim.lrr=1e-3", "train.micro_batch_size=two", "parallel.pipeline=4", "precision.dtype=fp16",
+        "precision.fp8=rowwise"]
     on_cpu = not torch.cuda.is_available()
-    lines = assert_refused(*run_launcher(launcher_command(overrides)), count=4 + on_cpu)
-    assert lines[:4] == [
+    lines = assert_refused(*run_launcher(launcher_command(overrides)), count=5 + on_cpu)
+    assert lines[:5] == [
         "train.micro_batch_size: expected an integer, got 'two'",
         "unknown key 'optim.lrr' (did you mean 'lr'?)",
+        "precision.fp8 rowwise needs precision.dtype: bf16 (got fp16): its products return bf16, and fp16's loss "
+        "scaling would meet scales of its own; set precision.dtype: bf16, or precision.fp8: none",
         "model.num_layers (2) is smaller than parallel.pipeline (4); every stage needs at least one layer",
         "world size 1 is not divisible by parallel.tensor × parallel.pipeline (1 × 4); launch a multiple of 4 ranks"]
     if on_cpu:
-        assert lines[4].startswith("precision.dtype is fp16, which needs a CUDA GPU, and this machine has none")
+        assert lines[5].startswith("precision.dtype is fp16, which needs a CUDA GPU, and this machine has none")
 
 
 @pytest.mark.multirank
@@ -177,6 +180,30 @@ def test_fp16_is_refused_on_a_gpu_deepspeed_does_not_support_it_on_and_ranks_nee
     assert preflight.device_problems(fp16, local_rank=1) == []
     [problem] = preflight.device_problems(config_from_dict(TINY), local_rank=2)
     assert "this is local rank 2 but the machine shows 2 GPU(s)" in problem
+
+
+@pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_is_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capability, refused):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    for mode in ("tensorwise", "rowwise"):
+        problems = preflight.device_problems(config_from_dict({**TINY, "precision": {"fp8": mode}}), local_rank=0)
+        if refused:
+            assert problems == [f"precision.fp8 is {mode}, whose float8 matrix products need compute capability 8.9 "
+                                f"or newer (Ada, Hopper, Blackwell), and NVIDIA A100-SXM4-80GB is "
+                                f"{capability[0]}.{capability[1]}; set precision.fp8: none"]
+        else:
+            assert problems == []
+    assert preflight.device_problems(config_from_dict(TINY), local_rank=0) == []
+
+
+def test_fp8_runs_on_the_cpu_and_only_with_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert preflight.device_problems(config_from_dict({**TINY, "precision": {"fp8": "tensorwise"}}), 0) == []
+    [problem] = config_from_dict({**TINY, "precision": {"dtype": "fp32", "fp8": "tensorwise"}}).precision.validate()
+    assert problem.startswith("precision.fp8 tensorwise needs precision.dtype: bf16 (got fp32)")
 
 
 def test_a_cuda_attention_kernel_is_refused_on_a_machine_without_cuda(monkeypatch):
