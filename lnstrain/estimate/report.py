@@ -18,6 +18,7 @@ from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, flops_per_token
 from lnstrain.estimate.memory import (CHECKPOINTING_MODES, GIB, PHASES, gpu_allowances, korthikanti_gpt_layer_bytes,
                                       memory_estimate)
+from lnstrain.estimate.snapshot_memory import background_save_refusal
 from lnstrain.estimate.validation import split_file_problems
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -110,8 +111,6 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
 
 def _async_save_setting(config: Config) -> str:
     """What ``checkpoint.async_save`` does for this config, in a few words."""
-    from lnstrain.checkpoint.async_save import background_save_refusal
-
     if config.checkpoint.async_save is False:
         return "off (checkpoint.async_save: false)"
     refusal = background_save_refusal(config)

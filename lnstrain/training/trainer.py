@@ -23,13 +23,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.async_save import background_save_refusal
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.locations import newest_checkpoint
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
+from lnstrain.estimate.snapshot_memory import background_save_refusal
 from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, FinalMetrics
