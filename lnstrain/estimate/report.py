@@ -119,6 +119,16 @@ def _async_save_setting(config: Config) -> str:
     return f"{'refused' if config.checkpoint.async_save else 'off'}: {refusal}"
 
 
+def _mode_note(mode: str, memory: dict[str, Any]) -> str:
+    """Why ``selective`` saves so little: with SDPA/flash attention the attention core it recomputes keeps
+    only its log-sum-exp; the s×s scores selective recomputation was made for are never stored."""
+    if mode != "selective":
+        return ""
+    saved = memory["activations_bytes"]["none"] - memory["activations_bytes"]["selective"]
+    return (f"  (saves {saved / 2**20:,.1f} MiB: it recomputes only the attention core, of which SDPA/flash attention "
+            "keeps just the log-sum-exp; the s×s scores it was made for are never stored)")
+
+
 def _count(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:
@@ -179,7 +189,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for mode in CHECKPOINTING_MODES:
         marker = "  <- configured" if mode == ckpt else ""
         lines.append(f"  checkpointing {mode:<9} activations {_gib(mem['activations_bytes'][mode])}  "
-                     f"peak {_gib(mem['total_bytes_by_checkpointing'][mode])}{marker}")
+                     f"peak {_gib(mem['total_bytes_by_checkpointing'][mode])}{marker}{_mode_note(mode, mem)}")
     gpu = mem["gpu_allowances"]
     lines += [
         f"  total:        {_gib(mem['total_bytes'])} of tensors (what torch.cuda.max_memory_allocated measures)",

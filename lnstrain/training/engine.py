@@ -40,6 +40,7 @@ from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
 from lnstrain.training.optimizer import build_optimizer
 from lnstrain.training.schedule import build_scheduler
+from lnstrain.wording import counted
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -115,9 +116,9 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         mpu=groups if groups.pp_size == 1 else None,
         config=_deepspeed_json(config, world_size))
     fuse_gradient_cast(engine.optimizer)
-    logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
+    logger.info("engine ready: tensor %d, pipeline %d, data %d, ZeRO-%d, %s, %s per step",
                 groups.tp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
-                config.precision.dtype, engine.gradient_accumulation_steps())
+                config.precision.dtype, counted(engine.gradient_accumulation_steps(), "micro-batch", "micro-batches"))
     clip_hook = None
     if own_clipping:
         params = [p for p in module.parameters() if p.requires_grad]

@@ -45,6 +45,7 @@ from lnstrain.training.resume import restore_or_start
 from lnstrain.training.run_lock import hold_run_directories, lock_directories
 from lnstrain.training.signals import StopController
 from lnstrain.training.stack_dumps import StackDumps
+from lnstrain.wording import counted
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
@@ -304,9 +305,10 @@ class Trainer:
                               self.engine.device, started=self.started).install()
         stacks = StackDumps(config.train.stack_dump_after_minutes).install()
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
-        logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
-                    position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
-                    config.tokens_per_step)
+        logger.info("training steps %d..%d of %d (%s of %s per rank per step, %s per step)",
+                    position.step + 1, self.total_steps, self.total_steps,
+                    counted(self.accumulation, "micro-batch", "micro-batches"), counted(self.micro_batch, "sample"),
+                    counted(config.tokens_per_step, "token"))
         try:
             if stop_at_step is not None and stop_at_step <= position.step < self.total_steps:
                 result.stop_reason = f"already at step {position.step}, stop_at_step {stop_at_step}"
