@@ -26,9 +26,11 @@ EXTRAS = {
     # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM;
     # datasets writes the save_to_disk directory the Parquet/Arrow tests read (with pyarrow, not datasets);
     # lm_eval scores the shipped local task against transformers (tests/evaluation), wandb's offline run
-    # files are read back by the tracking tests.
+    # files are read back by the tracking tests; scipy is the independent reference the size-trend fits
+    # are checked against (lm_eval brings it too, but the tests must not depend on that).
     "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40",
-             "accelerate>=0.26", "pyarrow>=14", "datasets>=2.14", "lm_eval[hf]>=0.4.5,<0.5", "wandb>=0.17,<1"],
+             "accelerate>=0.26", "pyarrow>=14", "datasets>=2.14", "lm_eval[hf]>=0.4.5,<0.5", "wandb>=0.17,<1",
+             "scipy>=1.10"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
