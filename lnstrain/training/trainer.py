@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lnstrain.checkpoint.errors import CheckpointError
-from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.locations import newest_checkpoint, remove_interrupted_saves
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
@@ -149,7 +149,10 @@ class Trainer:
 
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
-        ``checkpoint.init_from`` when given."""
+        ``checkpoint.init_from`` when given. Saves of an earlier launch that were cut off are removed
+        first (rank 0, which holds the run directory)."""
+        if self.rank == 0:
+            remove_interrupted_saves(self.config.checkpoint_dir)
         return restore_or_start(self.config, self.engine, self.checkpoints)
 
     def evaluate(self) -> float | None:
