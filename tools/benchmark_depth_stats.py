@@ -93,15 +93,23 @@ def main(argv: list[str] | None = None) -> int:
             (armed if is_armed else plain).append(step(is_armed))
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_non_embedding_parameters / 1e6:.1f}M "
           f"non-embedding parameters; batch {args.batch_size} x {args.seq_len} tokens, "
-          f"{counted(args.micro_batches, 'micro-batch', 'micro-batches')}, {device}, {torch.get_num_threads()} threads, {args.pairs} step pairs")
+          f"{counted(args.micro_batches, 'micro-batch', 'micro-batches')}, {device}, {torch.get_num_threads()} "
+          f"threads, {args.pairs} step pairs")
     for clock, index in (("wall-clock", 0), ("CPU time", 1)):
-        t_plain = statistics.median(p[index] for p in plain)
-        # Paired differences cancel slow drifts of the machine's load better than two medians.
-        extra = statistics.median(a[index] - p[index] for a, p in zip(armed, plain))
-        overheads = ", ".join(f"interval {n}: {extra / (n * t_plain):.3%}" for n in args.intervals)
-        noise = " (negative: the machine's noise is larger than the cost)" if extra < 0 else ""
-        print(f"{clock}: plain step {t_plain * 1e3:.1f} ms, armed step {extra * 1e3:+.2f} ms "
-              f"({extra / t_plain:+.1%}); amortised overhead {overheads}{noise}")
+        print(cost_line(clock, [p[index] for p in plain], [a[index] for a in armed], args.intervals))
+    return 0
+
+
+def cost_line(clock: str, plain: list[float], armed: list[float], intervals: list[int]) -> str:
+    """The median plain step, the median paired extra cost of an armed one (as measured: a negative
+    median is the machine's noise), and the overhead it amortises to at each interval."""
+    t_plain = statistics.median(plain)
+    # Paired differences cancel slow drifts of the machine's load better than two medians.
+    extra = statistics.median(a - p for a, p in zip(armed, plain))
+    overheads = ", ".join(f"interval {n}: {extra / (n * t_plain):.3%}" for n in intervals)
+    noise = " (negative: the machine's noise is larger than the cost)" if extra < 0 else ""
+    return (f"{clock}: plain step {t_plain * 1e3:.1f} ms, armed step {extra * 1e3:+.2f} ms ({extra / t_plain:+.1%}); "
+            f"amortised overhead {overheads}{noise}")
     return 0
 
 
