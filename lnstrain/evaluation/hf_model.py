@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lnstrain.analysis.hf_source import DTYPES, dtype_keyword, read_hf_config
+from lnstrain.analysis.hf_source import DTYPES, dtype_keyword, load_complete_pretrained, read_hf_config, safetensors_problems
 from lnstrain.analysis.text_tokens import import_transformers
 from lnstrain.checkpoint.lns_fold import RECORD_KEY
 from lnstrain.run_files import CHECKPOINTS_DIR, RUN_CONFIG_FILE
@@ -142,7 +142,10 @@ def load_hf_directory_model(path: str | os.PathLike, dtype: str = "auto", device
         kwargs[dtype_keyword(transformers)] = DTYPES[dtype]
     else:
         kwargs[dtype_keyword(transformers)] = "auto"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    problems = safetensors_problems(path)
+    if problems:
+        raise ValueError("; ".join(problems))
+    model = load_complete_pretrained(transformers, path, **kwargs)
     model.to(device).eval()
     record = hf.get(RECORD_KEY) or {}
     source = {"kind": "Hugging Face", "path": str(path), "dtype": str(model.dtype).removeprefix("torch."),
