@@ -23,6 +23,7 @@ from lnstrain.training.outcome import EXIT_STOPPED
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_builds_its_data_and_trains_where_it_says(tmp_path):
     work = tmp_path / "work"
     calls = tmp_path / "python_calls.txt"

@@ -26,6 +26,7 @@ def fresh_environment(tmp_path, **extra: str) -> dict[str, str]:
     return env | {"HF_HOME": str(tmp_path / "hf_home"), "WANDB_MODE": "disabled"} | extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offline", [{"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens on port 9
                                      {"HF_DATASETS_OFFLINE": "1"}], ids=["hub unreachable", "told offline"])
 def test_a_hub_task_whose_data_is_not_cached_ends_at_once_with_one_line(tmp_path, tracked_run, offline):
@@ -39,6 +40,7 @@ def test_a_hub_task_whose_data_is_not_cached_ends_at_once_with_one_line(tmp_path
     assert why in line and "so only the datasets cache" in line and "--include-path" in line, line
 
 
+@pytest.mark.slow
 def test_the_local_task_runs_from_another_directory_and_prints_only_its_results(tmp_path, tracked_run):
     offline = fresh_environment(tmp_path, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     elsewhere = tmp_path / "elsewhere"

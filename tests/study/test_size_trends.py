@@ -109,6 +109,7 @@ FINISHED = ["depth8x64_{}_s1234", "depth8x64_{}_s1235", "depth16x64_{}_s1234", "
             "depth32x64_{}_s1234", "depth48x64_{}_s1234", "depth16x128_{}_s1234"]
 
 
+@pytest.mark.slow
 def test_collect_reports_claims_against_size_and_regenerates_from_the_archive(tmp_path, monkeypatch):
     corpus = build_tiny_corpus(tmp_path / "corpus")
     study = load_study(REPO / "configs/studies/depth_width.yaml")
@@ -169,6 +170,7 @@ def test_collect_reports_claims_against_size_and_regenerates_from_the_archive(tm
     assert "| depth48x64_lns_s1235 | 7,200 | 7,372,800 | not run (no checkpoint here, none archived) |" in again
 
 
+@pytest.mark.slow
 def test_another_studys_point_is_shown_beside_a_trend_and_not_fitted(tmp_path, monkeypatch):
     """depth.beside: the GPU point (12 x 768) beside the width trend, its g in a table of its own and set
     against the width line extrapolated to 768; the fit itself is the same with and without it."""

@@ -44,6 +44,7 @@ def check_the_stop(run_dir: Path, signal_name: str, lost: str) -> str:
     return log
 
 
+@pytest.mark.slow
 def test_ctrl_c_through_a_tee_that_dies_with_it_still_saves_exits_75_and_logs_the_stop(tiny_corpus, tmp_path):
     """``python launch/pretrain.py ... 2>&1 | tee console.txt``, then Ctrl-C: tee dies of it, the trainer saves."""
     read, write = os.pipe()
@@ -66,6 +67,7 @@ def test_ctrl_c_through_a_tee_that_dies_with_it_still_saves_exits_75_and_logs_th
     assert "step 2/1000 |" in (tmp_path / "console.txt").read_text()  # what tee got before it died
 
 
+@pytest.mark.slow
 def test_sigterm_with_stdout_and_stderr_on_a_full_disk_still_saves_exits_75_and_logs_the_stop(tiny_corpus,
                                                                                                 tmp_path):
     with open("/dev/full", "w") as full:

@@ -56,7 +56,7 @@ def train_longer(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> 
     return out
 
 
-@pytest.mark.multirank  # one rank, but a forked one: the trainer's process group
+@pytest.mark.slow  # five launches of the trainer in one forked rank
 def test_each_schedule_change_gives_what_it_says_with_one_warning(tiny_corpus, tmp_path):
     [out] = run_distributed(train_longer, 1, tiny_corpus, tmp_path, timeout_s=400)
     assert sorted(out["stopped"]["lrs"]) == [1, 2, 3] and not out["stopped"]["warnings"]
