@@ -26,14 +26,15 @@ EXTRAS = {
     # transformers lets the tests check exported checkpoints against the real LlamaForCausalLM;
     # datasets writes the save_to_disk directory the Parquet/Arrow tests read (with pyarrow, not datasets);
     # lm_eval scores the shipped local task against transformers (tests/evaluation), wandb's offline run
-    # files are read back by the tracking tests.
+    # files are read back by the tracking tests; scipy is the independent reference the size-trend fits
+    # are checked against (lm_eval brings it too, but the tests must not depend on that).
     # Triton (Linux x86_64, where its wheels are): CPU builds of torch come without it, and with it the suite
     # builds every Triton kernel for sm_80/sm_90 and checks the machine code (tests/model/test_triton_compile.py)
     # and runs the kernels in Triton's CPU interpreter against torch (tests/model/test_triton_interpreter.py).
     # >=3.6,<3.8: the releases torch 2.11 (3.6) and 2.13 (3.7.1) pin in their CUDA builds, which it leaves alone.
     "test": ["pytest>=7.4", "zstandard>=0.21", "safetensors>=0.4", "matplotlib>=3.7", "transformers>=4.40",
              "accelerate>=0.26", "pyarrow>=14", "datasets>=2.14", "lm_eval[hf]>=0.4.5,<0.5", "wandb>=0.17,<1",
-             "triton>=3.6,<3.8; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+             "scipy>=1.10", "triton>=3.6,<3.8; platform_system == 'Linux' and platform_machine == 'x86_64'"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

@@ -3,10 +3,10 @@
 # wheelhouse (.whl/, built here by `python tools/build_wheelhouse.py`: DeepSpeed and what the GPU image
 # lacks) when DeepSpeed is not importable, then runs tools/gpu_check.py: by default the first call's
 # items (`python tools/gpu_check.py --plan` lists them with their seconds; the whole call fits in 540 s),
-# into one JSON, a Markdown table and a log in --out (default $OUT, else gpu_check_results/).
+# into one JSON, a Markdown table and a log in --output (default $OUT, else gpu_check_results/).
 #     bash launch/gpu_check.sh                   # the decisive first call
 #     bash launch/gpu_check.sh --call 2          # the optional second call (the whole GPU suite, 7B width, ...)
-#     bash launch/gpu_check.sh --dry-run --out /tmp/dry     # the CPU, tiny shapes: the plumbing
+#     bash launch/gpu_check.sh --dry-run --output /tmp/dry     # the CPU, tiny shapes: the plumbing
 # Nothing is downloaded. PYTHON picks the interpreter (default python3: the GPU image's torch).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

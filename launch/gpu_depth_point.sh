@@ -3,7 +3,7 @@
 # docs/depth_width_study.md "The GPU point"): trains configs/studies/depth_width_gpu.yaml's Pre-LN /
 # LNS pair at the paper's 130M shape on one GPU, one run after the other, each stopped (saved, exit 75)
 # at RUN_LIMIT_S, then analyses every checkpoint with the study's own `collect` and packs what a fresh
-# clone needs into one file, depth_point.tar.gz in --out (default $OUT, else gpu_depth_point/): the
+# clone needs into one file, depth_point.tar.gz in --output (default $OUT, else gpu_depth_point/): the
 # archived analyses (docs/depth_study/depth_width_gpu/), the reports, each run's config, final metrics,
 # TensorBoard events and log. The checkpoints stay behind.
 #
@@ -23,8 +23,8 @@ RUN_LIMIT_S=${RUN_LIMIT_S:-100}
 out=${OUT:-gpu_depth_point}
 while (($#)); do
     case "$1" in
-        --out) out=$2; shift 2 ;;
-        *) echo "usage: $0 [--out DIR]" >&2; exit 2 ;;
+        --output) out=$2; shift 2 ;;
+        *) echo "usage: $0 [--output DIR]" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out"

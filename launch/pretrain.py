@@ -19,7 +19,9 @@ stops at once (exit 130). SIGUSR2 makes a rank write every thread's Python stack
 on (train.stack_dump_after_minutes: also after that long in one step). Rerunning a finished run says so
 and changes nothing.
 Exit status: 0 finished, 1 failed, 2 nothing started, 3 stopped by non-finite losses, 75 stopped to
-be resumed (the same command continues), 130 interrupted; see lnstrain/training/outcome.py.
+be resumed (the same command continues), 130 interrupted; see lnstrain/training/outcome.py. A console
+that goes away (| tee killed by the Ctrl-C, a full disk) changes none of this: rank 0 writes every line,
+the stop and resume lines included, to <run dir>/lnstrain.log as well.
 The console shows lnstrain's own lines and every warning; --verbose adds DeepSpeed's and other
 libraries' informational messages.
 """
@@ -44,6 +46,7 @@ from lnstrain.run_files import TENSORBOARD_DIR  # noqa: E402
 from lnstrain.training.outcome import (  # noqa: E402
     EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED, finished_step)
 from lnstrain.training.rerun_command import resume_command  # noqa: E402
+from lnstrain.training.run_log import RunLog, guard_console  # noqa: E402
 
 EXIT_SAVE_FAILED = 1
 logger = logging.getLogger("lnstrain.launch")
@@ -80,12 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+RUN_LOG = RunLog()
+"""Rank 0's ``<run dir>/lnstrain.log`` once the checks have passed (lnstrain/training/run_log.py)."""
+
+
 def tell(message: str) -> None:
-    """Write one message for the user to stderr in a single write: the DeepSpeed launcher runs ranks with
-    ``python -u``, where ``print`` writes the text and its newline separately and another process's line
-    on the same terminal or pipe can land between them."""
-    sys.stderr.write(f"{message}\n")
-    sys.stderr.flush()
+    """One message for the user, on stderr and in the run's log (``RunLog.tell``)."""
+    RUN_LOG.tell(message)
 
 
 def fail(problems: list[str], source: str) -> None:
@@ -205,6 +209,7 @@ def init_distributed(timeout_minutes: float, verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``launch`` and turn a Ctrl-C outside the training loop (which handles its own) into one
     line from rank 0 and exit 130, instead of a traceback on every rank."""
+    guard_console()  # a console that goes away (tee killed by the Ctrl-C, a full disk) costs nothing
     rerun = resume_command(sys.argv if argv is None else [sys.argv[0], *argv])  # before the environment changes
     try:
         return launch(argv, rerun)
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             tell(f"\nlnstrain: interrupted (Ctrl-C) outside the training loop, so no trained step was lost; to "
                  f"continue, rerun: {rerun}")
         return EXIT_INTERRUPTED
+    finally:
+        RUN_LOG.close()
 
 
 def launch(argv: list[str] | None, rerun: str) -> int:
@@ -249,7 +256,9 @@ def launch(argv: list[str] | None, rerun: str) -> int:
         fail_on_every_rank(problems, args.config, rank, world_size)
     config = typed.value
 
-    logger.info("run directory %s; checkpoints in %s", config.run.dir, config.checkpoint_dir)
+    RUN_LOG.open(config.run.dir, rank, " ".join(sys.argv if argv is None else [sys.argv[0], *argv]))
+    logger.info("run directory %s; checkpoints in %s (this launch's lines also in %s)", config.run.dir,
+                config.checkpoint_dir, RUN_LOG.path or "no log file")
     configure_threads(ranks_on_this_machine(world_size))
     init_distributed(config.train.collective_timeout_minutes, args.verbose)
     from lnstrain.checkpoint.errors import CheckpointError

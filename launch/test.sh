@@ -7,7 +7,9 @@
 #
 # Creates (or reuses) the virtual environment .venv with the right torch build for this machine and
 # lnstrain installed with its test extra (launch/environment.sh says how; rerunning installs nothing
-# when setup.py has not changed), then runs pytest in it.
+# when setup.py has not changed), then runs pytest in it. The tests write only under temporary
+# directories and install nothing else: the SLURM tests use an installed SLURM or skip, unless
+# LNSTRAIN_TEST_INSTALL_SLURM=1 lets them apt-get it (CI's .ci/run does; docs/testing.md).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -14,6 +14,8 @@
     wandb_run.json          the run's W&B run id, its last logged step and next row, when
                             ``logging.wandb`` is on (lnstrain/tracking/wandb_sink.py)
     wandb/                  W&B's own files (offline runs to ``wandb sync``), unless WANDB_DIR is set
+    lnstrain.log            rank 0's console lines of every launch, appended, and the stop, resume
+                            and failure lines even when the console went away (training/run_log.py)
     .lnstrain.lock          rank 0's flock while a trainer runs: a second trainer stops (exit 2);
                             also in ``checkpoint.dir`` when that lies elsewhere (training/run_lock.py)
 
@@ -49,6 +51,7 @@ DOWNSTREAM_DIR = "downstream"
 WANDB_RUN_FILE = "wandb_run.json"
 WANDB_DIR = "wandb"
 RUN_LOCK_FILE = ".lnstrain.lock"
+RUN_LOG_FILE = "lnstrain.log"
 
 STUDY_CONFIG_FILE = "study_config.yaml"
 LAUNCH_LOG = "launch.log"

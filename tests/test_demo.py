@@ -9,11 +9,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER
+from lnstrain.run_files import RUN_LOG_FILE
 from lnstrain.testing.distributed import free_port
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, build_tiny_corpus, tiny_run_overrides
 from lnstrain.training.outcome import EXIT_STOPPED
@@ -21,6 +23,7 @@ from lnstrain.training.outcome import EXIT_STOPPED
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_builds_its_data_and_trains_where_it_says(tmp_path):
     work = tmp_path / "work"
     calls = tmp_path / "python_calls.txt"
@@ -79,3 +82,40 @@ def test_ctrl_c_through_the_deepspeed_launcher_saves_every_rank_and_says_how_to_
     assert (checkpoints / "latest").read_text().strip() == f"global_step{stopped.group(1)}"
     assert Path(stopped.group(2)) == checkpoints / f"global_step{stopped.group(1)}"
     assert (checkpoints / f"global_step{stopped.group(1)}" / COMPLETE_MARKER).is_file()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_ctrl_c_through_tee_and_the_deepspeed_launcher_saves_and_exits_75_when_tee_dies_of_it(tmp_path):
+    """``NUM_RANKS=2 bash launch/demo.sh ... 2>&1 | tee`` and Ctrl-C to the whole group, as a terminal sends
+    it: tee dies, and nothing upstream of it (ranks, launcher, wrapper, the script) dies of its pipe."""
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"NUM_RANKS": "2", "MASTER_PORT": str(free_port())}
+    args = ["--config", str(TINY_RUN_CONFIG)]
+    for override in tiny_run_overrides(corpus, tmp_path / "runs") + ["train.steps=200", "checkpoint.interval_steps=0",
+                                                                      "logging.interval=1"]:
+        args += ["--set", override]
+    console, status = tmp_path / "console.txt", tmp_path / "status"
+    command = f"{{ bash launch/demo.sh {shlex.join(args)}; echo $? > {status}; }} 2>&1 | tee {console}"
+    group = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             start_new_session=True)  # a terminal's foreground group
+    try:
+        give_up = time.monotonic() + 300
+        while "step 1/200 |" not in (console.read_text() if console.is_file() else ""):
+            assert time.monotonic() < give_up and group.poll() is None, console.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(group.pid, signal.SIGINT)  # Ctrl-C: tee dies of it
+        group.wait(timeout=180)
+        while not status.is_file() and time.monotonic() < give_up:
+            time.sleep(0.2)
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+    assert status.read_text().strip() == str(EXIT_STOPPED), console.read_text()[-3000:]
+    log = (tmp_path / "runs" / "tiny" / RUN_LOG_FILE).read_text()
+    stopped = re.search(r"lnstrain: stopped to be resumed after step (\d+) of 200 \(received SIGUSR1\); checkpoint "
+                        r"(\S+); to continue, rerun: (.*)", log)
+    assert stopped, log[-3000:]
+    assert (Path(stopped.group(2)) / COMPLETE_MARKER).is_file()
+    assert "Traceback" not in log

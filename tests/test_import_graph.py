@@ -98,3 +98,24 @@ def test_the_graph_reader_sees_every_kind_of_import():
 def test_no_module_of_lnstrain_imports_itself_through_others():
     found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(circle) for circle in found)
+
+
+def test_the_snapshot_memory_rule_is_in_one_place_imported_one_way():
+    """The rule for a checkpoint snapshot's host memory is ``estimate/snapshot_memory.py``: the dry-run
+    report and the background save both use it, and nothing in ``estimate`` reaches up into ``checkpoint``."""
+    graph = import_graph()
+    rule = "lnstrain.estimate.snapshot_memory"
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("lnstrain.estimate")
+                    for target in targets if target.startswith("lnstrain.checkpoint"))
+    assert not upward, upward
+    for user in ("lnstrain.estimate.report", "lnstrain.checkpoint.async_save", "lnstrain.training.preflight",
+                 "lnstrain.training.trainer"):
+        assert rule in graph[user], user
+    names = {"host_memory", "fits_in_host_memory", "snapshot_shortfall", "background_save_refusal",
+             "MEMORY_RESERVE_FRACTION"}
+    defined = sorted(f"{module_name(path)}.{node.name if hasattr(node, 'name') else node.targets[0].id}"
+                     for path in PACKAGE.rglob("*.py") for node in ast.parse(path.read_text(encoding="utf-8")).body
+                     if (isinstance(node, ast.FunctionDef) and node.name in names)
+                     or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                         and node.targets[0].id in names))
+    assert defined == sorted(f"{rule}.{name}" for name in names), defined

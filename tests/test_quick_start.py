@@ -1,10 +1,12 @@
-"""The README's two commands in a scratch clone, as a new user runs them: ``launch/test.sh`` sets up the
-environment and passes tests, ``launch/train.sh`` reuses it and trains the demo; a Ctrl-C saves after
-the step and prints the exact command that resumes (that rerunning resumes is tests/training/test_resume.py's).
+"""The README's two commands in a scratch clone, with what they can do offline: ``launch/test.sh``
+installs lnstrain from the clone into the environment and runs pytest in it (on one test file here: the whole suite is what
+CI's fresh clone runs), ``launch/train.sh`` reuses that environment and trains the demo, and a Ctrl-C
+saves after the step and prints the exact command that resumes (that rerunning resumes is
+tests/training/test_resume.py's).
 
 To stay fast and offline the scripts get an environment that already has every package (a venv that
 sees this test's site-packages, ``LNSTRAIN_VENV``): what they install there is lnstrain itself, from
-the clone; installing torch and the rest is not exercised here (CI's fresh clone does that).
+the clone; choosing and installing torch and the rest is not exercised here (CI's fresh clone does that).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def environment_with_every_package(venv: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_two_commands_set_up_pass_tests_and_train_and_ctrl_c_says_how_to_resume(tmp_path):
+def test_in_a_clone_with_its_packages_at_hand_test_sh_runs_pytest_and_train_sh_trains_and_ctrl_c_says_how_to_resume(
+        tmp_path):
     clone = scratch_clone(tmp_path / "clone")
     venv = environment_with_every_package(tmp_path / "venv")
     env = {k: v for k, v in os.environ.items()

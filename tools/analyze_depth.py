@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         planned, problems = plan(args)
     except ValueError as e:  # transformers missing, before any entry could be read
         problems = [str(e)]
+    if len(problems) == 1:
+        print(f"analyze_depth: nothing analysed: {problems[0]}", file=sys.stderr)
+        return 2
     if problems:
-        print(f"analyze_depth: {len(problems)} problem{'s' if len(problems) > 1 else ''}, nothing analysed:\n"
+        print(f"analyze_depth: {len(problems)} problems, nothing analysed:\n"
               + "\n".join(f"  - {problem}" for problem in problems), file=sys.stderr)
         return 2
     try:

@@ -2,10 +2,14 @@
 """What the in-training depth statistics cost: step time with and without collection.
 
 Trains a single-process model (forward, backward, AdamW step) and interleaves plain steps with
-armed steps (hooks installed, statistics collected), so that machine noise hits both alike.
-Prints the median plain step, the median extra cost of an armed step, and the amortised overhead
-at a few intervals: extra / (interval x plain step). Both wall-clock and process CPU time are
-measured; on a shared machine CPU time is the steadier of the two.
+armed steps, so that machine noise hits both alike. An armed step does what the trainer's does:
+hooks installed for the forward and backward, the parameter gradients read before the optimizer
+step (``read_parameter_grads``; under ZeRO or bf16 in a real run that read is a collective per
+parameter, which one process cannot show), the statistics collected after it. Prints the median
+plain step, the median extra cost of an armed step (paired differences, as measured: a negative one
+is noise larger than the cost), and the amortised overhead at a few intervals: extra / (interval x
+plain step). Both wall-clock and process CPU time are measured; on a shared machine CPU time is the
+steadier of the two.
 
     python tools/benchmark_depth_stats.py --preset 60m --num-layers 12 --seq-len 256 --batch-size 4
 """
@@ -26,6 +30,7 @@ from lnstrain.analysis.depth_stats import DepthStatsCollector  # noqa: E402
 from lnstrain.model import Transformer, model_preset  # noqa: E402
 from lnstrain.parallel.groups import ParallelGroups  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
+from lnstrain.wording import counted  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             collector.arm()
         for chunk in windows.chunk(args.micro_batches):
             (model.loss(chunk[:, :-1], chunk[:, 1:]) / args.micro_batches).backward()
+        if armed:  # the trainer's before_optimizer_step: gradients complete, not yet clipped
+            collector.read_parameter_grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if armed:
@@ -85,15 +92,24 @@ def main(argv: list[str] | None = None) -> int:
         for is_armed in order:
             (armed if is_armed else plain).append(step(is_armed))
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_non_embedding_parameters / 1e6:.1f}M "
-          f"non-embedding parameters; batch {args.batch_size} x {args.seq_len} tokens, {args.micro_batches} "
-          f"micro-batch(es), {device}, {torch.get_num_threads()} threads, {args.pairs} step pairs")
+          f"non-embedding parameters; batch {args.batch_size} x {args.seq_len} tokens, "
+          f"{counted(args.micro_batches, 'micro-batch', 'micro-batches')}, {device}, {torch.get_num_threads()} "
+          f"threads, {args.pairs} step pairs")
     for clock, index in (("wall-clock", 0), ("CPU time", 1)):
-        t_plain = statistics.median(p[index] for p in plain)
-        # Paired differences cancel slow drifts of the machine's load better than two medians.
-        extra = max(statistics.median(a[index] - p[index] for a, p in zip(armed, plain)), 0.0)
-        overheads = ", ".join(f"interval {n}: {extra / (n * t_plain):.3%}" for n in args.intervals)
-        print(f"{clock}: plain step {t_plain * 1e3:.1f} ms, armed step +{extra * 1e3:.2f} ms "
-              f"(+{extra / t_plain:.1%}); amortised overhead {overheads}")
+        print(cost_line(clock, [p[index] for p in plain], [a[index] for a in armed], args.intervals))
+    return 0
+
+
+def cost_line(clock: str, plain: list[float], armed: list[float], intervals: list[int]) -> str:
+    """The median plain step, the median paired extra cost of an armed one (as measured: a negative
+    median is the machine's noise), and the overhead it amortises to at each interval."""
+    t_plain = statistics.median(plain)
+    # Paired differences cancel slow drifts of the machine's load better than two medians.
+    extra = statistics.median(a - p for a, p in zip(armed, plain))
+    overheads = ", ".join(f"interval {n}: {extra / (n * t_plain):.3%}" for n in intervals)
+    noise = " (negative: the machine's noise is larger than the cost)" if extra < 0 else ""
+    return (f"{clock}: plain step {t_plain * 1e3:.1f} ms, armed step {extra * 1e3:+.2f} ms ({extra / t_plain:+.1%}); "
+            f"amortised overhead {overheads}{noise}")
     return 0
 
 

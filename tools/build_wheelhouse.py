@@ -2,9 +2,9 @@
 """Build .whl/: the wheels a machine without a package index needs to run lnstrain beside its own torch.
 
     python tools/build_wheelhouse.py                        # for the lent GPU machine (Python 3.12, x86-64)
-    python tools/build_wheelhouse.py --for-this-python --exclude torch --out /tmp/wh   # this interpreter
+    python tools/build_wheelhouse.py --for-this-python --exclude torch --output /tmp/wh   # this interpreter
 
-Writes into --out (default .whl/, git-ignored):
+Writes into --output (default .whl/, git-ignored):
 
 * DeepSpeed (the version installed here, else 0.19.8) built as a pure-Python wheel (``DS_BUILD_OPS=0``:
   lnstrain uses none of its compiled ops);
@@ -56,7 +56,7 @@ def normalize(name: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / ".whl"), help="the wheelhouse directory (default .whl/)")
+    parser.add_argument("--output", default=str(ROOT / ".whl"), help="the wheelhouse directory (default .whl/)")
     parser.add_argument("--python-version", default="3.12", help="the target's Python (default 3.12, the GPU image's)")
     parser.add_argument("--for-this-python", action="store_true",
                         help="wheels for this interpreter and platform instead of --python-version on x86-64 Linux")
@@ -104,7 +104,7 @@ def installed_deepspeed() -> str | None:
 
 
 def build(args: argparse.Namespace) -> Path:
-    out = Path(args.out)
+    out = Path(args.output)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     deepspeed = args.deepspeed or installed_deepspeed() or DEFAULT_DEEPSPEED

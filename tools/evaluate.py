@@ -11,8 +11,11 @@
     python tools/evaluate.py --checkpoint runs/tiny --tasks lnstrain_tiny_grammar --include-path configs/eval_tasks
 
 Task names are lm-eval's own (``python -m lm_eval ls tasks`` lists them). Built-in tasks download
-their data sets through the datasets library on first use; with HF_DATASETS_OFFLINE=1 only the
-cache is read. Exit status 0, or 2 for a problem with the command line, the checkpoint or the tasks.
+their data sets through the datasets library on first use; with HF_DATASETS_OFFLINE=1, or where the
+Hugging Face Hub does not answer within 3 s, only the cache is read. Every task's data is loaded
+before the model, so a data set that cannot be had ends the command at once. The console shows the
+results and lnstrain's lines; --verbose adds lm-eval's, transformers' and the progress bars.
+Exit status 0, or 2 for a problem with the command line, the model, its tokenizer or the tasks' data.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.checkpoint.verifier import add_trust_arguments, trust_from_arguments  # noqa: E402
-from lnstrain.evaluation.downstream import DownstreamTasks, evaluate_downstream, log_to_run, task_problems  # noqa: E402
+from lnstrain.evaluation.downstream import (DownstreamTasks, evaluate_downstream, log_to_run,  # noqa: E402
+                                            stay_offline_unless_the_hub_answers, task_data_problems, task_problems)
 from lnstrain.evaluation.results import write_results  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 from lnstrain.run_files import downstream_file  # noqa: E402
@@ -53,8 +57,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                     "required with --hf)")
     p.add_argument("--no-log", action="store_true",
                    help="write the JSON only, not the checkpoint's run's TensorBoard and W&B")
+    p.add_argument("--verbose", action="store_true",
+                   help="also lm-eval's, transformers' and datasets' messages and progress bars (default: the "
+                        "results, lnstrain's lines and every error)")
     add_trust_arguments(p)  # a checkpoint is verified first, as a resume would (docs/checkpoints.md)
     return p.parse_args(argv)
+
+
+def configure_output(verbose: bool) -> None:
+    """lnstrain's lines and every library's errors; the libraries' notes and progress bars only when
+    ``verbose`` (lm-eval warns that it was handed a model object, which is how lnstrain calls it)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, force=True,
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lnstrain").setLevel(logging.INFO)
+    if verbose:
+        return
+    for quiet in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS",
+                  "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+        os.environ.setdefault(quiet, "1")
+    for noisy in ("lm_eval", "lm-eval", "transformers", "datasets", "huggingface_hub", "accelerate", "DeepSpeed",
+                  "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def nothing_evaluated(problems: list[str]) -> int:
+    """The problems on stderr (one on one line), exit status 2."""
+    listed = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)
+    print(f"evaluate: nothing was evaluated: {listed}", file=sys.stderr)
+    return 2
 
 
 def _batch_size(text: str) -> int | str:
@@ -63,7 +93,11 @@ def _batch_size(text: str) -> int | str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_output(args.verbose)
+    offline = stay_offline_unless_the_hub_answers()  # before the Hugging Face libraries are imported
+    from lnstrain.parallel.deepspeed_comm import name_cpu_accelerator_if_no_cuda
+
+    name_cpu_accelerator_if_no_cuda()  # a checkpoint's files import DeepSpeed, which warns without it
     try:
         tasks = DownstreamTasks([name.strip() for name in args.tasks.split(",") if name.strip()],
                                 list(args.include_path), args.num_fewshot, args.limit, _batch_size(args.batch_size))
@@ -74,16 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf and not args.output:
         problems.append("--output: name the results JSON for a Hugging Face model (--output results.json)")
     if problems:
-        print("evaluate: nothing was evaluated:\n  " + "\n  ".join(problems), file=sys.stderr)
-        return 2
-    from lnstrain.evaluation.hf_model import load_checkpoint_model, load_hf_directory_model
+        return nothing_evaluated(problems)
+    from lnstrain.evaluation.hf_model import hf_directory_tokenizer, load_checkpoint_model, load_hf_directory_model
 
+    try:
+        tokenizer = hf_directory_tokenizer(args.hf) if args.hf else None
+    except ValueError as e:
+        print(f"evaluate: nothing was evaluated: {e}", file=sys.stderr)
+        return 2
+    problems = task_data_problems(tasks, offline)
+    if problems:
+        return nothing_evaluated(problems)
     try:
         if args.checkpoint:
             model = load_checkpoint_model(args.checkpoint, "fp32" if args.dtype == "auto" else args.dtype,
                                           args.device, trust_from_arguments(args, args.checkpoint))
         else:
-            model = load_hf_directory_model(args.hf, args.dtype, args.device)
+            model = load_hf_directory_model(args.hf, args.dtype, args.device, tokenizer)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"evaluate: {e}", file=sys.stderr)
         return 2
@@ -92,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: cannot find the run directory of {args.checkpoint}; name the results JSON with --output",
               file=sys.stderr)
         return 2
-    results = evaluate_downstream(model, tasks)
+    results = evaluate_downstream(model, tasks, quiet=not args.verbose)
     path = write_results(results, output)
     for task, values in results["metrics"].items():
         print(f"{task}: " + ", ".join(f"{metric} {value:.4f}" for metric, value in values.items() if value is not None))

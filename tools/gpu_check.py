@@ -6,8 +6,8 @@ and a short Markdown table (``lnstrain/benchmark/gpu_plan.py`` is the plan, ``gp
     bash launch/gpu_check.sh                            # call 1 on the GPU machine (installs .whl/ first)
     bash launch/gpu_check.sh --call 2                   # the optional second call
     bash launch/gpu_check.sh --only 1b_eager,core_tests # chosen items
-    python tools/gpu_check.py --dry-run --out /tmp/dry  # the CPU, tiny shapes: the plumbing, no GPU figure
-    python tools/gpu_check.py --summarize call1/gpu_check.json call2/gpu_check.json --out results/
+    python tools/gpu_check.py --dry-run --output /tmp/dry  # the CPU, tiny shapes: the plumbing, no GPU figure
+    python tools/gpu_check.py --summarize call1/gpu_check.json call2/gpu_check.json --output results/
 
 Every item is a subprocess (a crash or an out-of-memory loses that item only) stopped at its seconds;
 the items share one inductor and Triton cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR: --cache-dir, by
@@ -17,7 +17,7 @@ an item starts only if its seconds fit in what is left of the call (--time-limit
 --started-at, which launch/gpu_check.sh sets before it installs the wheels). A benchmark item's figures
 are its JSON report's: one that was written whole counts even when the process was stopped or failed
 afterwards (in its teardown), and the item says so. The results (gpu_check.json, gpu_check.md) and
-the whole output (gpu_check.log) are rewritten in --out after every item, so a call cut short keeps
+the whole output (gpu_check.log) are rewritten in --output after every item, so a call cut short keeps
 what it finished.
 """
 
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--call", type=int, default=1, choices=CALLS, help="which call of the plan (default 1)")
     parser.add_argument("--only", default=None, help=f"comma-separated items instead of the call's: {', '.join(ITEMS)}")
     parser.add_argument("--plan", action="store_true", help="print the call's items and seconds, and exit")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results",
+    parser.add_argument("--output", default=os.environ.get("OUT") or "gpu_check_results",
                         help="directory for gpu_check.json, gpu_check.md and gpu_check.log (default: $OUT, "
                              "else gpu_check_results/)")
     parser.add_argument("--dry-run", action="store_true",
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(collect_environment()))
         return 0
     if args.summarize:
-        return summarize_files(args.summarize, Path(args.out))
+        return summarize_files(args.summarize, Path(args.output))
     if args.plan:
         print(plan_text(args.call, args.time_limit_s))
         return 0
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     started_at = args.started_at or time.time()
     calls = sorted({item.call for item in items})
-    check = Check(Path(args.out), args.dry_run, started_at + args.time_limit_s, calls,
+    check = Check(Path(args.output), args.dry_run, started_at + args.time_limit_s, calls,
                   Path(args.cache_dir) if args.cache_dir else None)
     check.doc["limit_s"] = args.time_limit_s
     check.say(f"== gpu_check {'(dry run on the CPU) ' if args.dry_run else ''}items {', '.join(i.name for i in items)} "

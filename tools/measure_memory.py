@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", action="append", dest="configs", metavar="YAML",
                         help="a run description; repeat for several (default: 60m, 130m and 350m LNS)")
     parser.add_argument("--seq-len", type=int, default=256, help="sequence length of every point (default 256)")
-    parser.add_argument("--micro-batch", type=int, default=2, help="micro-batch size of every point (default 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=2,
+                        help="train.micro_batch_size of every point (default 2)")
     parser.add_argument("--only", metavar="TEXT", help="only the points whose layout or overrides contain TEXT")
     parser.add_argument("--tolerance", type=float, default=0.10,
                         help="largest accepted |estimate / measured - 1| (default 0.10)")
@@ -47,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configs = args.configs or DEFAULT_CONFIGS
     shape = [f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 1)}",
-             f"train.micro_batch_size={args.micro_batch}"]
+             f"train.micro_batch_size={args.micro_batch_size}"]
     points = [point for point in POINTS if not args.only or args.only in f"{point.layout} {point.label()}"]
     problems = [] if points else [f"--only {args.only!r} matches no point"]
-    if args.seq_len < 1 or args.micro_batch < 1:
-        problems.append("--seq-len and --micro-batch must be >= 1")
+    if args.seq_len < 1 or args.micro_batch_size < 1:
+        problems.append("--seq-len and --micro-batch-size must be >= 1")
     for path in configs:
         try:
             load_config(path, shape, validate=False)

@@ -38,9 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="input files, glob patterns, or datasets save_to_disk directories")
     p.add_argument("--tokenizer", required=True, help="sentencepiece .model")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
-    p.add_argument("--json-keys", "--json-key", "--columns", "--column", dest="json_keys", nargs="+",
-                   default=["text"], help="JSON key(s), or Parquet/Arrow column(s), holding the text; with "
-                                          "several, one output <prefix>_<key> per key")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="the JSON key(s), or Parquet/Arrow column(s), holding the text (Megatron-LM's name; "
+                        "tools/train_tokenizer.py takes the same); with several, one output <prefix>_<key> per key")
     p.add_argument("--txt-mode", choices=TXT_MODES, default="line",
                    help="what a document is in .txt files: a line, a blank-line-separated block, or the file")
     p.add_argument("--workers", type=int, default=max(1, available_cores() - 1), metavar="N",

@@ -31,8 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--json-key", "--column", dest="json_key", default="text",
-                   help="JSON key, or Parquet/Arrow column, holding the text")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="the JSON key(s), or Parquet/Arrow column(s), holding the text (the same option as "
+                        "tools/preprocess_data.py's; the texts of several keys are all sampled)")
     p.add_argument("--txt-mode", choices=TXT_MODES, default="line", help="what a document is in .txt files")
     p.add_argument("--max-sentences", type=int, default=2_000_000, help="size of the uniform sentence sample")
     p.add_argument("--max-sentence-chars", type=int, default=4192, help="longer lines are cut")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = expand_inputs(args.input)
         cfg = TokenizerTrainingConfig(
             inputs=paths, output_prefix=args.output_prefix, vocab_size=args.vocab_size,
-            model_type=args.model_type, json_key=args.json_key, txt_mode=args.txt_mode,
+            model_type=args.model_type, json_keys=args.json_keys, txt_mode=args.txt_mode,
             max_sentences=args.max_sentences, max_sentence_chars=args.max_sentence_chars,
             max_read_mb=args.max_read_mb, byte_fallback=args.byte_fallback,
             character_coverage=args.character_coverage,

@@ -32,6 +32,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lnstrain.training.run_log import guard_console  # noqa: E402  (no torch: its messages survive a lost console)
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 RELAYED = signal.SIGUSR2  # every rank writes its stacks and goes on
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the launch command, after --")
     args = parser.parse_args(argv)
+    guard_console()  # a message to a console that went away (| tee killed by the Ctrl-C) must not stop the relay
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the launch command after --")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,13 +86,47 @@ class HFModelDirectory:
         return record.get("norm_scheme", self.family.placement.norm_scheme)
 
 
+def safetensors_problems(path: Path) -> list[str]:
+    """The safetensors files of a model directory (``model.safetensors`` or the shards its index names)
+    whose headers cannot be read or that are missing: one line each. Headers only: no tensor is read."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return [f"{index}: not a safetensors index ({type(e).__name__}: {e})"]
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return []
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        return []
+    problems = []
+    for shard in shards:
+        if not (path / shard).is_file():
+            problems.append(f"{path / shard}: missing (the index names it)")
+            continue
+        try:
+            with safe_open(str(path / shard), framework="pt") as handle:
+                handle.keys()
+        except Exception as e:  # noqa: BLE001  (SafetensorError is not exported under one name everywhere)
+            problems.append(f"{path / shard}: not a readable safetensors file ({' '.join(str(e).split())[:160]})")
+    return problems
+
+
 def inspect_hf_directory(path: str | Path) -> HFModelDirectory:
-    """config.json read and checked, weights looked for (not read); ValueError naming what is wrong."""
+    """config.json read and checked, weights looked for and their safetensors headers read (no tensor);
+    ValueError naming what is wrong."""
     path = Path(path)
     config = read_hf_config(path)
     family = family_of(path, config)
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         raise ValueError(f"{path}: no weights ({' or '.join(WEIGHT_FILES)})")
+    problems = safetensors_problems(path)
+    if problems:
+        raise ValueError("; ".join(problems) + "; download or save the weights again")
     transformers = import_transformers()
     try:
         text_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
@@ -157,6 +192,53 @@ def dtype_keyword(transformers) -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
+def _layer_groups(names: list[str]) -> str:
+    """``model.layers.2.* (9 tensors), lm_head.weight``: names grouped by the layer they belong to."""
+    groups: dict[str, int] = {}
+    for name in names:
+        match = re.match(r"(.*?\.(?:layers|h|blocks|layer)\.\d+)\.", name)
+        groups[f"{match.group(1)}.*" if match else name] = groups.get(f"{match.group(1)}.*" if match else name, 0) + 1
+    return ", ".join(f"{group} ({count} tensors)" if count > 1 else group for group, count in groups.items())
+
+
+def load_complete_pretrained(transformers: Any, path: Path, **kwargs: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` that never hands back a model with weights transformers
+    made up: a weight missing from the files (a whole layer, say) or of another shape than config.json
+    gives a ValueError naming them, as does a file transformers cannot read, instead of a model with
+    freshly initialised tensors (and transformers' own table) or a traceback."""
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its table of missing keys: the error below says it in one line
+    transformers.utils.logging.disable_progress_bar()
+    logger.info("%s: reading the weights", path)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError, EOFError) as e:
+        raise ValueError(f"{path}: transformers {transformers.__version__} cannot load the weights "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+    except Exception as e:  # noqa: BLE001  (safetensors' own error type)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"{path}: the weights cannot be read ({' '.join(str(e).split())[:300]})") from e
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    problems = []
+    mismatched = [entry for entry in info.get("mismatched_keys") or []]
+    if mismatched:
+        problems.append("of another shape than config.json gives: " + ", ".join(
+            f"{name} is {list(saved)} in the files, {list(wanted)} in the model" for name, saved, wanted, *_ in mismatched[:4])
+            + (f" and {len(mismatched) - 4} more" if len(mismatched) > 4 else ""))
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        problems.append(f"missing from the files: {_layer_groups(missing)}")
+    if problems:
+        raise ValueError(f"{path}: weights {'; '.join(problems)}; transformers would start them from random values, "
+                         "which no analysis or evaluation should see: give the complete weights")
+    return model
+
+
 def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.device = "cpu",
                   device_map: str | dict[str, Any] | None = None, offload_folder: str | None = None,
                   name: str | None = None) -> HFDepthModel:
@@ -182,7 +264,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.
         kwargs["device_map"] = device_map
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory.path), **kwargs)
+    model = load_complete_pretrained(transformers, directory.path, **kwargs)
     if device_map is None:
         model.to(device)
     model.eval()

@@ -19,7 +19,8 @@ checkpoint, so a kill at any moment of the write leaves it as it was.
 The snapshot's host buffers are kept from one save to the next (pinned when the state is on a GPU,
 where pinning is slow): ``checkpoint.async_save`` holds one checkpoint's worth of this rank's state
 in host memory from its first save on (``lnstrain.estimate.memory``, ``StageMemory.snapshot``). A
-state dict whose copy would not fit in the memory available at that moment is written at once
+state dict whose copy would not fit in the memory available at that moment (the rule of
+``lnstrain.estimate.snapshot_memory``) is written at once
 instead, on the main thread, as a synchronous save would (a warning says so). The thread runs at the
 lowest CPU priority (nice 19): where training keeps every core busy it writes in the gaps, and the
 next save waits for it.
@@ -36,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,69 +46,13 @@ from lnstrain.checkpoint.engine_hooks import replaced
 from lnstrain.checkpoint.save_agreement import HeldFailure
 from lnstrain.checkpoint.write_errors import human_bytes
 from lnstrain.deepspeed_adapter import CheckpointFileIO
-
-if TYPE_CHECKING:
-    from lnstrain.config.run_config import Config
+from lnstrain.estimate.snapshot_memory import fits_in_host_memory, host_memory
 
 logger = logging.getLogger(__name__)
 
 WRITER_NICENESS = 19
 """The background writer's nice value (Linux: per thread; the SHA-256 helper it starts inherits it)."""
-MEMORY_RESERVE_FRACTION = 0.05
-"""Host memory a snapshot leaves free: this fraction of the machine's total, for everything else."""
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
-
-
-# --- memory --------------------------------------------------------------------------------------------
-def host_memory() -> tuple[int, int] | None:
-    """(available, total) bytes of this machine's memory (Linux ``/proc/meminfo``), None elsewhere."""
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                name, _, value = line.partition(":")
-                fields[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    if "MemAvailable" not in fields or "MemTotal" not in fields:
-        return None
-    return fields["MemAvailable"], fields["MemTotal"]
-
-
-def snapshot_shortfall(config: Config, world_size: int, local_ranks: int, on_gpu: bool,
-                       memory: tuple[int, int] | None) -> str | None:
-    """Why this machine's ranks' snapshots would not fit in its memory (``memory`` = (available,
-    total)), or None when they fit or the memory is unknown. Without a GPU the training state itself
-    lives in host memory too, and is counted."""
-    from lnstrain.estimate.memory import memory_estimate
-
-    if memory is None:
-        return None
-    available, total = memory
-    estimate = memory_estimate(config, world_size, device="cuda" if on_gpu else "cpu")
-    per_rank = estimate.snapshot + (0.0 if on_gpu else estimate.total)
-    needed = local_ranks * per_rank + MEMORY_RESERVE_FRACTION * total
-    if needed <= available:
-        return None
-    what = "snapshot" if on_gpu else "training state and snapshot"
-    return (f"the checkpoint snapshots of the {local_ranks} rank(s) on this machine need about "
-            f"{human_bytes(needed)} of host memory ({human_bytes(per_rank)} of {what} per rank, "
-            f"{MEMORY_RESERVE_FRACTION:.0%} kept free) but {human_bytes(available)} is available")
-
-
-def background_save_refusal(config: Config) -> str | None:
-    """Why this config's checkpoints cannot be written in the background, None when they can. Only the
-    config decides, so every rank reaches the same verdict."""
-    def section(value: Any) -> dict:
-        return value if isinstance(value, dict) else {}
-
-    chosen = [name for name, selected in (
-        ("checkpoint.writer", section(config.deepspeed.get("checkpoint")).get("writer")),
-        ("datastates", section(config.deepspeed.get("datastates")).get("enabled"))) if selected]
-    if chosen:
-        return (f"the deepspeed: section selects another DeepSpeed checkpoint engine ({', '.join(chosen)}), whose "
-                "writes lnstrain cannot stage, hash or publish")
-    return None
 
 
 # --- the snapshot --------------------------------------------------------------------------------------
@@ -293,8 +238,7 @@ class BackgroundWrite:
         host memory available, or cannot be made (the reason is logged)."""
         started = time.monotonic()
         needed = self.snapshot.new_bytes(state_dict)
-        memory = host_memory() if needed else None
-        if memory is not None and needed > memory[0] - MEMORY_RESERVE_FRACTION * memory[1]:
+        if needed and not fits_in_host_memory(needed, host_memory()):
             self.foreground_files.append(f"{Path(path).name} (its snapshot does not fit in the host memory available)")
             write(state_dict, path)
             return

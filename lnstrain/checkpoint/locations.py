@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import shutil
 from pathlib import Path
 
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, is_complete, step_of
@@ -126,6 +127,19 @@ def resolve_resume(resume: str, checkpoint_dir: str | Path, log: bool = True) ->
     if found is None:
         return None, [f"checkpoint.resume: {path} holds no complete global_step<N> checkpoint"]
     return found, []
+
+
+def remove_interrupted_saves(checkpoint_dir: str | Path) -> list[Path]:
+    """Remove every ``global_step<N>`` directory of ``checkpoint_dir`` without a completion marker (a
+    save cut off by a second Ctrl-C, a kill or a crash: nothing ever reads it) and say so in the log;
+    returns them. Only the trainer calls this, on rank 0, holding the run directory's lock, before it
+    resumes: no save of this run can be in flight then. Links are never followed (``step_dir_entries``)."""
+    removed = [step_dir for step_dir in step_dir_entries(checkpoint_dir)[0] if not is_complete(step_dir)]
+    for step_dir in removed:
+        shutil.rmtree(step_dir)
+        logger.warning("removed %s: its save was cut off before it finished (no %s; a second Ctrl-C, a kill or a "
+                       "crash during the save), so it never was a checkpoint", escaped(step_dir), COMPLETE_MARKER)
+    return removed
 
 
 def remove_links(checkpoint_dir: str | Path) -> None:

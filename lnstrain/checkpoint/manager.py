@@ -194,7 +194,7 @@ class CheckpointManager:
         """Host memory this rank keeps for the snapshots of saves written in the background."""
         return self._snapshot_buffers.held_bytes
 
-    def metadata(self, position: TrainingPosition) -> CheckpointMetadata:
+    def metadata(self, position: TrainingPosition, lr_schedule: dict[str, Any] | None = None) -> CheckpointMetadata:
         tp, pp, dp = self.layout
         return CheckpointMetadata(
             step=position.step, consumed_samples=position.consumed_samples, tokens_seen=position.tokens_seen,
@@ -203,7 +203,7 @@ class CheckpointManager:
             pipeline_parallel=pp, data_parallel=dp, zero_stage=self.config.parallel.zero_stage,
             precision=self.config.precision.dtype, skipped_sample_ranges=[list(r) for r in position.skipped_sample_ranges],
             nonfinite_steps=position.nonfinite_steps, loss_spikes=position.loss_spikes,
-            skipped_batches=position.skipped_batches)
+            skipped_batches=position.skipped_batches, lr_schedule=lr_schedule)
 
     def save(self, engine: TrainingEngine, position: TrainingPosition, in_background: bool = False) -> Path | None:
         """Write checkpoint ``global_step<step>`` on every rank, then publish it as ``latest``.
@@ -242,7 +242,7 @@ class CheckpointManager:
                 save_points.around_deepspeed_files(engine.checkpoint_files), staging, \
                 holding_deepspeed_failures(engine.checkpoint_files, held):
             engine.save_checkpoint(step_dir, client_state={CLIENT_STATE_KEY: vars(position)})
-        own_files = OwnFiles(capture_rng_state(), self.metadata(position).to_json(), self.config.to_yaml())
+        own_files = OwnFiles(capture_rng_state(), self.metadata(position, engine.lr_schedule_record()).to_json(), self.config.to_yaml())
         if background is not None:  # published by publish_if_written or finish_background_save
             background.start(records, lambda: self._write_own_files(step_dir, rank, own_files, records),
                              blocking_seconds=time.monotonic() - started)

@@ -61,6 +61,10 @@ class CheckpointMetadata:
     nonfinite_steps: int = 0
     loss_spikes: int = 0
     skipped_batches: int = 0
+    lr_schedule: dict[str, Any] | None = None
+    """``{"configured": ..., "in_effect": ...}``: the learning-rate schedule the run's config asked for
+    and the one it followed (they differ after a resume with another schedule:
+    ``lnstrain.training.schedule``); None in checkpoints from before it was recorded."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -102,6 +106,9 @@ class CheckpointMetadata:
         for name in ("lnstrain_version", "precision"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} is {getattr(self, name)!r:.40}, not a string")
+        if not (self.lr_schedule is None or (isinstance(self.lr_schedule, dict)
+                                             and set(self.lr_schedule) == {"configured", "in_effect"})):
+            problems.append(f"lr_schedule is {self.lr_schedule!r:.60}, not the configured and in-effect schedules")
         ranges = self.skipped_sample_ranges
         if not isinstance(ranges, list) or not all(
                 isinstance(r, list) and len(r) == 2 and all(type(x) is int and x >= 0 for x in r) and r[0] < r[1]

@@ -123,7 +123,7 @@ def check_text_columns(path: str, columns: list[str]) -> None:
     for column in columns:
         if column not in schema.names:
             raise CorpusError(f"{path}: no column {column!r}; columns present: {present}. "
-                              "name the text column with --columns (train_tokenizer.py: --column)")
+                              "name the text column with --json-keys")
         dtype = schema.field(column).type
         if not _is_text_type(pa, dtype):
             raise CorpusError(f"{path}: column {column!r} holds {dtype}, not strings; columns present: {present}")

@@ -17,6 +17,7 @@ from .packed_dataset import PackedDataset, TruncatePadDataset, build_sample_data
 from .splits import documents_to_sequences, split_documents
 from .token_check import check_token_ids
 from .tokenizer import Tokenizer
+from lnstrain.wording import counted
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +88,25 @@ def validation_repeats_warning(parts: list[_Part], cfg: DataConfig, valid_sample
     sequences, tokens, distinct = distinct_samples(parts, cfg)
     if distinct >= valid_samples:
         return None
-    repeats = valid_samples / max(distinct, 1)
-    times = f"{repeats:.1f}" if repeats < 10 else f"{repeats:.0f}"
+    reads = (f"an evaluation reads {counted(valid_samples, 'sample')} (train.eval_batches x "
+             "train.global_batch_size)")
     if cfg.valid_sources:
         fix = "give larger validation files (data.valid_sources)"
     else:
+        repeats = valid_samples / max(distinct, 1)
         fraction = min(0.5, math.ceil(cfg.valid_fraction * repeats * 100) / 100)
         fix = (f"hold out more (data.valid_fraction: {fraction:g}) or give separate validation files "
                "(data.valid_sources)")
-    return (f"the validation split is {sequences} document(s), {tokens} tokens, {distinct} distinct sample(s) of "
-            f"data.seq_len {cfg.seq_len}, but an evaluation reads {valid_samples} (train.eval_batches x "
-            f"train.global_batch_size): each is served about {times} times, so the eval loss says little "
-            f"and can fall below the training loss; {fix}, or lower train.eval_batches")
+    split = f"the validation split is {counted(sequences, 'document')} of {counted(tokens, 'token')} in all"
+    if distinct == 0:  # not one sample's worth: every sample is the same few tokens again
+        return (f"{split}, less than one sample of data.seq_len {cfg.seq_len}, but {reads}: each sample repeats "
+                f"those {counted(tokens, 'token')} over and over, so the eval loss says little and can fall below "
+                f"the training loss; {fix}")
+    repeats = valid_samples / distinct
+    times = f"{repeats:.1f}" if repeats < 10 else f"{repeats:.0f}"
+    return (f"{split}, {counted(distinct, 'distinct sample')} of data.seq_len {cfg.seq_len}, but {reads}: each is "
+            f"served about {times} times, so the eval loss says little and can fall below the training loss; "
+            f"{fix}, or lower train.eval_batches")
 
 
 def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_samples: int, seed: int,

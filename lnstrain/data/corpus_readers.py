@@ -154,27 +154,29 @@ def record_texts(record: bytes, fmt: str, keys: list[str], skips: SkipCounts, pa
     return out
 
 
-def iter_documents(paths: list[str], key: str = "text", txt_mode: str = "line",
+def iter_documents(paths: list[str], keys: list[str] | tuple[str, ...] = ("text",), txt_mode: str = "line",
                    skips: SkipCounts | None = None) -> Iterator[str]:
     """Texts of every usable document in ``paths`` (sequentially, streaming); skips are counted in ``skips``.
 
-    ``key`` is the JSON key or, for Parquet and Arrow files, the column."""
+    ``keys`` are the JSON keys or, for Parquet and Arrow files, the columns: each record gives one
+    document per key (a .txt record one document)."""
     skips = skips if skips is not None else SkipCounts()
+    keys = list(keys)
     for path in paths:
         fmt = file_format(path)
         empty = True
         if fmt in ARROW_FORMATS:
-            check_text_columns(path, [key])
-            for first_row, batch, _ in iter_text_batches(path, [key], max_rows=1024, max_bytes=1 << 22):
+            check_text_columns(path, keys)
+            for first_row, batch, _ in iter_text_batches(path, keys, max_rows=1024, max_bytes=1 << 22):
                 empty = False
-                yield from column_texts(batch, [key], skips, path, first_row)[0]
+                for texts in column_texts(batch, keys, skips, path, first_row):
+                    yield from texts
             if empty:
                 skips.add("empty file", path)
             continue
         for i, record in enumerate(iter_records(path, txt_mode)):
             empty = False
-            text = record_texts(record, fmt, [key], skips, path, i + 1)[0]
-            if text is not None:
-                yield text
+            texts = record_texts(record, fmt, keys if fmt != "txt" else keys[:1], skips, path, i + 1)
+            yield from (text for text in texts if text is not None)
         if empty:
             skips.add("empty file", path)

@@ -39,10 +39,15 @@ def token_file_problems(cfg: DataConfig, model_vocab_size: int, tokenizer_vocab_
         except (OSError, ValueError) as error:  # CorruptDatasetError is a ValueError
             problems.append(f"{where}: {error}; {_REPROCESS}")
             continue
-        if too_big_for_model is not None:
+        if too_big_for_model is not None and too_big_for_tokenizer is None and tokenizer_vocab_size is not None:
+            # a piece of data.tokenizer: the model's vocabulary is what is too small (the tokenizer check says so)
+            problems.append(f"{where}: {prefix}.bin holds token id {too_big_for_model}, a piece of data.tokenizer "
+                            f"({tokenizer_vocab_size} pieces) but outside model.vocab_size ({model_vocab_size}): "
+                            f"set model.vocab_size to {tokenizer_vocab_size}")
+        elif too_big_for_model is not None:
             problems.append(f"{where}: {prefix}.bin holds token id {too_big_for_model}, outside model.vocab_size "
-                            f"({model_vocab_size}); the data was tokenized with another tokenizer, or the file is "
-                            f"corrupt: {_REPROCESS} with data.tokenizer, or set model.vocab_size to the "
+                            f"({model_vocab_size}); the data was tokenized with another tokenizer, or the "
+                            f"file is corrupt: {_REPROCESS} with data.tokenizer, or set model.vocab_size to the "
                             "tokenizer's vocabulary size")
         elif too_big_for_tokenizer is not None:
             problems.append(f"{where}: {prefix}.bin holds token id {too_big_for_tokenizer}, but data.tokenizer "

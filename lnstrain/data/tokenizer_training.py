@@ -23,7 +23,7 @@ class TokenizerTrainingConfig:
     output_prefix: str
     vocab_size: int = 32000
     model_type: str = "bpe"
-    json_key: str = "text"  # the JSON key, or the column of Parquet/Arrow inputs
+    json_keys: list[str] = field(default_factory=lambda: ["text"])  # JSON keys, or columns of Parquet/Arrow inputs
     txt_mode: str = "line"
     max_sentences: int = 2_000_000
     max_sentence_chars: int = 4192
@@ -70,7 +70,7 @@ def reservoir_sample(cfg: TokenizerTrainingConfig, paths: list[str]) -> tuple[li
     limit = cfg.max_read_mb * 1e6 if cfg.max_read_mb > 0 else float("inf")
 
     def counted_docs() -> Iterator[str]:
-        for doc in iter_documents(paths, cfg.json_key, cfg.txt_mode, skips):
+        for doc in iter_documents(paths, cfg.json_keys, cfg.txt_mode, skips):
             stats["documents"] += 1
             stats["bytes"] += len(doc)
             yield doc
@@ -107,12 +107,12 @@ def train_tokenizer(cfg: TokenizerTrainingConfig, paths: list[str]) -> Tokenizer
     """Sample sentences, train, and write ``<output_prefix>.model``/``.vocab`` (atomically renamed)."""
     if cfg.model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram' (got {cfg.model_type!r})")
-    check_inputs(paths, [cfg.json_key])
+    check_inputs(paths, cfg.json_keys)
     t0 = time.perf_counter()
     sample, stats = reservoir_sample(cfg, paths)
     if not sample:
         raise ValueError(f"no usable text found in {len(paths)} input file(s) "
-                         f"(JSON key or column {cfg.json_key!r}; skipped: {stats['skips'].report()})")
+                         f"(--json-keys {' '.join(cfg.json_keys)}; skipped: {stats['skips'].report()})")
     t1 = time.perf_counter()
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

@@ -18,6 +18,7 @@ from lnstrain.config.run_config import Config
 from lnstrain.estimate.flops import FLOPS_FORMULA, flops_per_token
 from lnstrain.estimate.memory import (CHECKPOINTING_MODES, GIB, PHASES, gpu_allowances, korthikanti_gpt_layer_bytes,
                                       memory_estimate)
+from lnstrain.estimate.snapshot_memory import background_save_refusal
 from lnstrain.estimate.validation import split_file_problems
 from lnstrain.model.transformer import Transformer
 from lnstrain.parallel.groups import ParallelGroups
@@ -111,14 +112,22 @@ def dry_run_summary(config: Config, world_size: int) -> dict[str, Any]:
 
 def _async_save_setting(config: Config) -> str:
     """What ``checkpoint.async_save`` does for this config, in a few words."""
-    from lnstrain.checkpoint.async_save import background_save_refusal
-
     if config.checkpoint.async_save is False:
         return "off (checkpoint.async_save: false)"
     refusal = background_save_refusal(config)
     if refusal is None:
         return "on"
     return f"{'refused' if config.checkpoint.async_save else 'off'}: {refusal}"
+
+
+def _mode_note(mode: str, memory: dict[str, Any]) -> str:
+    """Why ``selective`` saves so little: with SDPA/flash attention the attention core it recomputes keeps
+    only its log-sum-exp; the s×s scores selective recomputation was made for are never stored."""
+    if mode != "selective":
+        return ""
+    saved = memory["activations_bytes"]["none"] - memory["activations_bytes"]["selective"]
+    return (f"  (saves {saved / 2**20:,.1f} MiB: it recomputes only the attention core, of which SDPA/flash attention "
+            "keeps just the log-sum-exp; the s×s scores it was made for are never stored)")
 
 
 def _count(n: float) -> str:
@@ -185,7 +194,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for mode in CHECKPOINTING_MODES:
         marker = "  <- configured" if mode == ckpt else ""
         lines.append(f"  checkpointing {mode:<9} activations {_gib(mem['activations_bytes'][mode])}  "
-                     f"peak {_gib(mem['total_bytes_by_checkpointing'][mode])}{marker}")
+                     f"peak {_gib(mem['total_bytes_by_checkpointing'][mode])}{marker}{_mode_note(mode, mem)}")
     gpu = mem["gpu_allowances"]
     lines += [
         f"  total:        {_gib(mem['total_bytes'])} of tensors (what torch.cuda.max_memory_allocated measures)",

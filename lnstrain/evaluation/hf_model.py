@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lnstrain.analysis.hf_source import DTYPES, dtype_keyword, read_hf_config
+from lnstrain.analysis.hf_source import DTYPES, dtype_keyword, load_complete_pretrained, read_hf_config, safetensors_problems
 from lnstrain.analysis.text_tokens import import_transformers
 from lnstrain.checkpoint.lns_fold import RECORD_KEY
 from lnstrain.run_files import CHECKPOINTS_DIR, RUN_CONFIG_FILE
@@ -112,11 +112,28 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "fp32", device: 
                           metadata.step, metadata.tokens_seen, config)
 
 
-def load_hf_directory_model(path: str | os.PathLike, dtype: str = "auto",
-                            device: str | torch.device = "cpu") -> EvaluatedModel:
-    """A local Hugging Face causal language model and its tokenizer (``dtype`` "auto": as stored)."""
+def hf_directory_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of a Hugging Face model directory (ValueError when it has none transformers can
+    read: downstream tasks are text). Cheap: check it before any weight is read."""
+    path = Path(path)
+    read_hf_config(path)
+    transformers = import_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: no tokenizer transformers can read ({' '.join(str(e).split())[:200]}); downstream "
+                         "tasks are text: save the model's tokenizer into the directory (tokenizer.save_pretrained)"
+                         ) from e
+
+
+def load_hf_directory_model(path: str | os.PathLike, dtype: str = "auto", device: str | torch.device = "cpu",
+                            tokenizer: Any = None) -> EvaluatedModel:
+    """A local Hugging Face causal language model and its tokenizer (``dtype`` "auto": as stored); the
+    tokenizer is read first (``hf_directory_tokenizer``) unless given."""
     path = Path(path)
     hf = read_hf_config(path)
+    if tokenizer is None:
+        tokenizer = hf_directory_tokenizer(path)
     transformers = import_transformers()
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
     if dtype != "auto":
@@ -125,13 +142,11 @@ def load_hf_directory_model(path: str | os.PathLike, dtype: str = "auto",
         kwargs[dtype_keyword(transformers)] = DTYPES[dtype]
     else:
         kwargs[dtype_keyword(transformers)] = "auto"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    problems = safetensors_problems(path)
+    if problems:
+        raise ValueError("; ".join(problems))
+    model = load_complete_pretrained(transformers, path, **kwargs)
     model.to(device).eval()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                                               trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{path}: no tokenizer transformers can read ({e}); downstream tasks are text") from e
     record = hf.get(RECORD_KEY) or {}
     source = {"kind": "Hugging Face", "path": str(path), "dtype": str(model.dtype).removeprefix("torch."),
               "model_type": hf.get("model_type"), "norm_scheme": record.get("norm_scheme", "pre_ln")}

@@ -1,6 +1,6 @@
 """A one-node SLURM on this machine, for tests and for trying batch scripts (root only).
 
-    python -m lnstrain.testing.local_slurm start /tmp/slurm   # prints the SLURM_CONF to export
+    python -m lnstrain.testing.local_slurm start /tmp/slurm   # prints the SLURM_CONF to export (--install: apt-get)
     export SLURM_CONF=/tmp/slurm/slurm.conf; sbatch job.sbatch; squeue
     python -m lnstrain.testing.local_slurm stop /tmp/slurm
 
@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGES = ("slurm-wlm", "munge")
+INSTALL_VARIABLE = "LNSTRAIN_TEST_INSTALL_SLURM"
+"""Set to 1 to let the SLURM tests install PACKAGES with apt-get when they are missing (root only);
+unset, they run where SLURM is installed and skip elsewhere, changing nothing on the machine.
+CI sets it (.ci/run)."""
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 
 
@@ -39,7 +43,12 @@ def _search_path() -> str:
     return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 
-def unavailable_reason(install: bool = True) -> str | None:
+def install_requested() -> bool:
+    """Whether ``INSTALL_VARIABLE`` asks for SLURM to be installed where it is missing."""
+    return os.environ.get(INSTALL_VARIABLE, "") == "1"
+
+
+def unavailable_reason(install: bool = False) -> str | None:
     """Why a local SLURM cannot be started here (None when it can), installing the packages with
     apt-get first when they are missing, ``install`` is true and we are root."""
     if sys.platform != "linux":
@@ -53,7 +62,8 @@ def unavailable_reason(install: bool = True) -> str | None:
     if not missing_commands():
         return None
     if not install or not shutil.which("apt-get"):
-        return f"SLURM is not installed ({', '.join(missing_commands())} missing; apt-get install {' '.join(PACKAGES)})"
+        return (f"SLURM is not installed ({', '.join(missing_commands())} missing): apt-get install "
+                f"{' '.join(PACKAGES)}, or set {INSTALL_VARIABLE}=1 to let the tests install them")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
         try:
@@ -244,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["start", "stop"])
     parser.add_argument("directory", help="where the configuration, state and logs live")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the node (default: this machine's)")
+    parser.add_argument("--install", action="store_true",
+                        help=f"apt-get install {' '.join(PACKAGES)} when they are missing (root)")
     args = parser.parse_args(argv)
     if args.action == "stop":
         LocalSlurm(Path(args.directory).resolve()).stop()
         return 0
-    reason = unavailable_reason()
+    reason = unavailable_reason(install=args.install or install_requested())
     if reason:
         print(f"cannot start SLURM here: {reason}", file=sys.stderr)
         return 1

@@ -22,6 +22,13 @@ class OptimConfig:
         warmup_steps: linear warmup length in steps; when unset, ``warmup_fraction`` of the run.
         warmup_fraction: warmup as a fraction of total steps (the paper uses 0.1).
         decay: shape after warmup: ``cosine``, ``linear`` or ``constant``.
+        schedule_change: what a resume does when this schedule (``lr``, warmup, ``decay``,
+            ``min_lr_ratio`` or the run's length: a longer ``train.steps``) differs from the one the
+            checkpoint was trained with; a warning names what changed and the learning rate before and
+            after. ``decay``: from the checkpoint's current learning rate, ``decay``'s shape down to
+            ``lr * min_lr_ratio`` at the new last step (no jump); ``stretch``: the new schedule as if the
+            run had always had it (the learning rate jumps to it); ``keep``: the checkpoint's schedule,
+            at its minimum past its last step (lnstrain/training/schedule.py, docs/training.md).
     """
 
     name: Literal["adam", "adamw"] = "adamw"
@@ -35,6 +42,7 @@ class OptimConfig:
     warmup_steps: int | None = None
     warmup_fraction: float = 0.1
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule_change: Literal["decay", "stretch", "keep"] = "decay"
 
     def validate(self) -> list[str]:
         problems = []

@@ -41,7 +41,8 @@ from lnstrain.training.batches import MicroBatch, weigh_micro_batches
 from lnstrain.training.grad_clip import GradClipHook
 from lnstrain.training.health import NonFiniteGradientSkip
 from lnstrain.training.optimizer import build_optimizer
-from lnstrain.training.schedule import build_scheduler
+from lnstrain.training.schedule import LrSchedule, build_scheduler, follow_schedule, schedule_of
+from lnstrain.wording import counted
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -110,9 +111,7 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
     module = build_model(config, groups, device.type).to(device)  # before the optimizer picks its kernel
     select_triton_kernels(module, device, config.precision.compute_dtype)
     optimizer = build_optimizer(module, config.optim)
-    scheduler = build_scheduler(optimizer, lr=config.optim.lr, warmup_steps=config.warmup_steps,
-                                total_steps=config.total_steps, min_lr_ratio=config.optim.min_lr_ratio,
-                                decay=config.optim.decay)
+    scheduler = build_scheduler(optimizer, LrSchedule.from_config(config))
     own_clipping = optimizer_kind(config).lnstrain_clips
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -120,9 +119,9 @@ def build_engine(config: Config, groups: ParallelGroups) -> "TrainingEngine":
         config=_deepspeed_json(config, world_size))
     fused_accumulation = bf16_accumulation.install(engine.optimizer)
     write_recovery_scripts_fresh(engine, functools.partial(write_bytes_replacing, executable=True))
-    logger.info("engine ready: tensor %d, context %d, pipeline %d, data %d, ZeRO-%d, %s, %d micro-batches per step",
+    logger.info("engine ready: tensor %d, context %d, pipeline %d, data %d, ZeRO-%d, %s, %s per step",
                 groups.tp_size, groups.cp_size, groups.pp_size, groups.dp_size, config.parallel.zero_stage,
-                config.precision.dtype, engine.gradient_accumulation_steps())
+                config.precision.dtype, counted(engine.gradient_accumulation_steps(), "micro-batch", "micro-batches"))
     clip_hook = None
     if own_clipping:
         params = [p for p in module.parameters() if p.requires_grad]
@@ -187,6 +186,19 @@ class TrainingEngine:
         """The torch optimizer (AdamW) that updates the parameters, whether or not DeepSpeed wraps it
         (ZeRO, bf16, fp16 hold the fp32 masters and the optimizer state in its parameter groups)."""
         return base_optimizer(self._deepspeed.optimizer)
+
+    @property
+    def lr_schedule(self) -> LrSchedule:
+        """The learning-rate schedule the engine follows (saved in every checkpoint's metadata)."""
+        return schedule_of(self.scheduler)
+
+    def lr_schedule_record(self) -> dict[str, Any]:
+        """What a checkpoint's metadata records of the schedule: the config's and the one followed."""
+        return {"configured": LrSchedule.from_config(self.config).to_dict(), "in_effect": self.lr_schedule.to_dict()}
+
+    def follow_lr_schedule(self, schedule: LrSchedule) -> None:
+        """Follow ``schedule`` from the loaded step on (a resume whose schedule changed)."""
+        follow_schedule(self.scheduler, schedule)
 
     def relink_optimizer_state(self) -> None:
         """Call after replacing ``base_optimizer``'s state tensors: DeepSpeed's per-parameter views of

@@ -212,7 +212,7 @@ def async_save_problems(config: Config, world_size: int, local_ranks: int, repor
     memory. Unset, the same findings are logged (``report``) and the run goes on: saves then block."""
     import torch
 
-    from lnstrain.checkpoint.async_save import background_save_refusal, host_memory, snapshot_shortfall
+    from lnstrain.estimate.snapshot_memory import background_save_refusal, host_memory, snapshot_shortfall
 
     if config.checkpoint.async_save is False:
         return []

@@ -103,6 +103,7 @@ class NonFiniteRecovery:
             return None
         self.rolled_back_ranges.append([position.consumed_samples - self.global_batch, position.consumed_samples])
         restored = self.checkpoints.load(self.engine, step_dir)
+        self.engine.follow_lr_schedule(self.engine.lr_schedule)  # this launch's, even from an older launch's checkpoint
         ranges = {tuple(r) for r in restored.skipped_sample_ranges + self.rolled_back_ranges}
         restored.skipped_sample_ranges = [list(r) for r in sorted(ranges)]
         # the counters keep what happened since; the jump over the failed batch counts it as skipped

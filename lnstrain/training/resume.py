@@ -4,7 +4,9 @@ named by ``checkpoint.init_from``, or step 0.
 The checkpoint ``checkpoint.resume`` names is verified first (``CheckpointManager.verified_checkpoint``,
 ``lnstrain.checkpoint.verifier``); when it does not verify, ``auto`` and a checkpoint directory fall
 back to the newest older checkpoint that does, while an explicit ``global_step<N>`` is refused. Every
-refusal here is reached by every rank alike (``CheckpointError.agreed``).
+refusal here is reached by every rank alike (``CheckpointError.agreed``). A checkpoint trained with
+another learning-rate schedule than this config's goes on as ``optim.schedule_change`` says, with one
+warning (``follow_schedule_on_resume``, ``lnstrain.training.schedule``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from lnstrain.checkpoint.errors import CheckpointError
 from lnstrain.checkpoint.locations import resolve_resume
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import METADATA_FILE, read_metadata, step_of
 from lnstrain.checkpoint.verifier import nothing_verifies
 from lnstrain.config.run_config import Config
+from lnstrain.training.schedule import LrSchedule, schedule_keys, schedule_on_resume
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
@@ -83,7 +88,38 @@ def restore_or_start(config: Config, engine: TrainingEngine, checkpoints: Checkp
     if samples is not None and (problems := data_reach_problems(config, step_dir, samples)):
         raise _cannot_resume(problems)  # every rank built the same data: agreed
     logger.info("loading checkpoint %s", step_dir)
-    return load_checkpoint(config, engine, checkpoints, step_dir), step_dir
+    position = load_checkpoint(config, engine, checkpoints, step_dir)
+    follow_schedule_on_resume(config, engine, step_dir, position.step)
+    return position, step_dir
+
+
+def saved_schedules(step_dir: Path) -> tuple[LrSchedule, LrSchedule]:
+    """(the schedule the checkpoint's config asked for, the one it followed), from its metadata; a
+    checkpoint from before they were recorded followed its config's."""
+    recorded = read_metadata(step_dir).lr_schedule
+    if recorded is not None:
+        source = f"{step_dir}/lnstrain_metadata.json lr_schedule"
+        return (LrSchedule.from_dict(recorded["configured"], source),
+                LrSchedule.from_dict(recorded["in_effect"], source))
+    from lnstrain.checkpoint.layouts import read_step_config
+
+    configured = LrSchedule.from_config(read_step_config(step_dir))
+    return configured, configured
+
+
+def follow_schedule_on_resume(config: Config, engine: TrainingEngine, step_dir: Path, step: int) -> None:
+    """Go on with the checkpoint's learning-rate schedule, or, when this config asks for another one, with
+    what ``optim.schedule_change`` says; rank 0 logs one warning naming the change and the learning
+    rate before and after (``lnstrain.training.schedule``). Every rank decides alike from the same files."""
+    try:
+        saved_configured, saved_in_effect = saved_schedules(step_dir)
+    except ValueError as error:
+        raise _cannot_resume([f"the learning-rate schedule of {step_dir} cannot be read: {error}"]) from None
+    schedule, warning = schedule_on_resume(LrSchedule.from_config(config), saved_configured, saved_in_effect, step,
+                                           config.optim.schedule_change, step_dir.name, schedule_keys(config))
+    if warning and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s", warning)
+    engine.follow_lr_schedule(schedule)  # the loaded state has the checkpoint's rates: from here on, this schedule's
 
 
 def load_checkpoint(config: Config, engine: TrainingEngine, checkpoints: CheckpointManager,

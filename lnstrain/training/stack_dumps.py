@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import TextIO
 
 import torch.distributed as dist
@@ -67,35 +68,49 @@ def where_the_ranks_are() -> str:
 
 class _SlowIterationWatch:
     """A daemon thread that logs every thread's stack once an iteration has run ``after_s`` seconds,
-    and again each ``after_s`` after that, until ``rearm`` says the next iteration started."""
+    and again each ``after_s`` after that, until ``rearm`` says the next iteration started.
 
-    def __init__(self, after_s: float) -> None:
+    ``clock`` is ``time.monotonic`` in use; a test gives its own and calls ``look`` after moving it."""
+
+    def __init__(self, after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.after_s = after_s
+        self._clock = clock
         self._changed = threading.Condition()
         self._iteration: tuple[int | None, float] | None = None  # (step, when it started)
         self._next_dump_at: float | None = None
         self._closed = False
+        self._looks = 0
+        """How often the watch has found nothing due: a ``look`` waits for the next one."""
         self._thread = threading.Thread(target=self._watch, name=WATCH_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def rearm(self, step: int | None) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._changed:
             self._iteration = (step, now)
             self._next_dump_at = now + self.after_s
-            self._changed.notify()
+            self._changed.notify_all()
+
+    def look(self, timeout_s: float = 60.0) -> None:
+        """Wake the watch and return once it has written every dump due at the clock's time."""
+        with self._changed:
+            looks = self._looks
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._looks > looks or self._closed, timeout_s)
 
     def close(self) -> None:
         with self._changed:
             self._closed = True
-            self._changed.notify()
+            self._changed.notify_all()
         self._thread.join()
 
     def _watch(self) -> None:
         while True:
             with self._changed:
-                while not self._closed and (self._next_dump_at is None or time.monotonic() < self._next_dump_at):
-                    wait_s = None if self._next_dump_at is None else self._next_dump_at - time.monotonic()
+                while not self._closed and (self._next_dump_at is None or self._clock() < self._next_dump_at):
+                    self._looks += 1
+                    self._changed.notify_all()
+                    wait_s = None if self._next_dump_at is None else self._next_dump_at - self._clock()
                     self._changed.wait(wait_s)
                 if self._closed:
                     return
@@ -103,7 +118,7 @@ class _SlowIterationWatch:
                 self._next_dump_at += self.after_s
             where = "this loop iteration" if step is None else f"the loop iteration of step {step}"
             logger.warning("%s has run for %.2f min (train.stack_dump_after_minutes %g); the Python stack of "
-                           "every thread (pid %d):\n%s", where, (time.monotonic() - started) / 60, self.after_s / 60,
+                           "every thread (pid %d):\n%s", where, (self._clock() - started) / 60, self.after_s / 60,
                            os.getpid(), every_thread_stack(skip_ident=threading.get_ident()))
 
 
@@ -111,9 +126,11 @@ class StackDumps:
     """Installs the three triggers for the length of a run (``install``/``uninstall``, which restores
     what was there); ``iteration_started`` re-arms the slow-iteration watch."""
 
-    def __init__(self, after_minutes: float | None, stream: TextIO | None = None) -> None:
+    def __init__(self, after_minutes: float | None, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.after_s = None if after_minutes is None else 60.0 * after_minutes
         self.stream = stream
+        self.clock = clock
         self._enabled_here = False
         self._registered = False
         self._watch: _SlowIterationWatch | None = None
@@ -136,7 +153,7 @@ class StackDumps:
             logger.info("each rank writes every thread's Python stack to its stderr on SIGUSR2 (kill -USR2 <pid>; "
                         "%s)%s", ranks, timed)
         if self.after_s is not None:
-            self._watch = _SlowIterationWatch(self.after_s)
+            self._watch = _SlowIterationWatch(self.after_s, self.clock)
         return self
 
     def iteration_started(self, step: int | None = None) -> None:

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lnstrain.checkpoint.async_save import background_save_refusal
 from lnstrain.checkpoint.errors import CheckpointError
-from lnstrain.checkpoint.locations import newest_checkpoint
+from lnstrain.checkpoint.locations import newest_checkpoint, remove_interrupted_saves
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
 from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
+from lnstrain.estimate.snapshot_memory import background_save_refusal
 from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.run_files import FINAL_METRICS_FILE, RUN_CONFIG_FILE, FinalMetrics
@@ -45,6 +45,7 @@ from lnstrain.training.resume import restore_or_start
 from lnstrain.training.run_lock import hold_run_directories, lock_directories
 from lnstrain.training.signals import StopController
 from lnstrain.training.stack_dumps import StackDumps
+from lnstrain.wording import counted
 
 if TYPE_CHECKING:
     from lnstrain.training.engine import TrainingEngine
@@ -148,7 +149,10 @@ class Trainer:
 
     def resume(self) -> tuple[TrainingPosition, Path | None]:
         """Restore this run's checkpoint (resharded when the layout changed), or start fresh, from
-        ``checkpoint.init_from`` when given."""
+        ``checkpoint.init_from`` when given. Saves of an earlier launch that were cut off are removed
+        first (rank 0, which holds the run directory)."""
+        if self.rank == 0:
+            remove_interrupted_saves(self.config.checkpoint_dir)
         return restore_or_start(self.config, self.engine, self.checkpoints, samples=len(self.train_data))
 
     def evaluate(self) -> float | None:
@@ -304,9 +308,10 @@ class Trainer:
                               self.engine.device, started=self.started).install()
         stacks = StackDumps(config.train.stack_dump_after_minutes).install()
         save_every, eval_every = config.checkpoint.interval_steps, config.train.eval_interval
-        logger.info("training steps %d..%d of %d (%d micro-batches of %d per rank per step, %d tokens per step)",
-                    position.step + 1, self.total_steps, self.total_steps, self.accumulation, self.micro_batch,
-                    config.tokens_per_step)
+        logger.info("training steps %d..%d of %d (%s of %s per rank per step, %s per step)",
+                    position.step + 1, self.total_steps, self.total_steps,
+                    counted(self.accumulation, "micro-batch", "micro-batches"), counted(self.micro_batch, "sample"),
+                    counted(config.tokens_per_step, "token"))
         try:
             if stop_at_step is not None and stop_at_step <= position.step < self.total_steps:
                 result.stop_reason = f"already at step {position.step}, stop_at_step {stop_at_step}"

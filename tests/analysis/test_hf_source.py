@@ -110,11 +110,13 @@ def refusal(capsys, tmp_path, *argv: str) -> str:
 
 
 def model_without_weights(tmp_path, name: str, source, *, tokenizer: bool = True, model_type: str | None = None):
-    """A copy of `source` whose weights file cannot be read: a refusal that mentions anything else was
-    made before the weights were read."""
+    """A copy of `source` whose weights file cannot be read (a pytorch_model.bin of garbage: nothing reads
+    such a file before the weights load): a refusal that mentions anything else was made before the weights
+    were read."""
     directory = tmp_path / name
     shutil.copytree(source, directory)
-    (directory / "model.safetensors").write_bytes(b"not safetensors")
+    (directory / "model.safetensors").unlink()
+    (directory / "pytorch_model.bin").write_bytes(b"not a torch file")
     if not tokenizer:
         for file in directory.glob("tokenizer*"):
             file.unlink()
@@ -144,6 +146,48 @@ def test_refusals_come_before_the_weights(hf_dirs, tiny_corpus, tmp_path, capsys
 
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     assert "pip install 'lnstrain[hf]'" in refusal(capsys, tmp_path, "--hf", llama, *text)
+
+
+def broken_copy(tmp_path, name: str, source, change) -> str:
+    """A copy of `source` whose model.safetensors ``change`` rewrites (the state dict, in place)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / name
+    shutil.copytree(source, directory)
+    weights = load_file(directory / "model.safetensors")
+    change(weights)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+def test_broken_weights_are_one_line_and_exit_2_and_no_layer_is_analysed_fresh(hf_dirs, tiny_corpus, tmp_path,
+                                                                                 capsys):
+    import torch
+
+    text = ["--text", str(tiny_corpus.jsonl)]
+    garbage = tmp_path / "garbage"
+    shutil.copytree(hf_dirs("llama"), garbage)
+    (garbage / "model.safetensors").write_bytes(b"garbage")
+    [line] = refusal(capsys, tmp_path, "--hf", str(garbage), *text).splitlines()  # before any weight is read
+    assert line == (f"analyze_depth: nothing analysed: {garbage / 'model.safetensors'}: not a readable safetensors file "
+                    "(Error while deserializing header: header too small); download or save the weights again")
+
+    def reshape(weights):
+        weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 5)
+
+    reshaped = broken_copy(tmp_path, "reshaped", hf_dirs("llama"), reshape)
+    [line] = refusal(capsys, tmp_path, "--hf", reshaped, *text).splitlines()
+    assert line.startswith(f"analyze_depth: {reshaped}: weights of another shape than config.json gives: "
+                           "model.layers.1.mlp.up_proj.weight is [3, 5] in the files, [64, 32] in the model;"), line
+
+    def drop_layer_2(weights):
+        for name in [name for name in weights if ".layers.2." in name]:
+            del weights[name]
+
+    holed = broken_copy(tmp_path, "holed", hf_dirs("llama"), drop_layer_2)
+    [line] = refusal(capsys, tmp_path, "--hf", holed, *text).splitlines()
+    assert line.startswith(f"analyze_depth: {holed}: weights missing from the files: model.layers.2.* (9 tensors); "
+                           "transformers would start them from random values"), line
 
 
 def test_compare_checks_every_entry_first_and_lists_every_problem(hf_dirs, tiny_corpus, tmp_path, capsys):

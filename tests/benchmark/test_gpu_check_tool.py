@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_item_is_refused_before_anything_runs(tmp_path, capsys):
-    assert load_tool("gpu_check").main(["--only", "core_tests,bench", "--out", str(tmp_path)]) == 2
+    assert load_tool("gpu_check").main(["--only", "core_tests,bench", "--output", str(tmp_path)]) == 2
     assert "unknown item(s) ['bench']" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
@@ -38,18 +38,18 @@ def test_summarize_merges_the_documents_of_several_calls(tmp_path, capsys):
     for index, doc in enumerate((first, second)):
         paths.append(tmp_path / f"call{index}.json")
         paths[-1].write_text(json.dumps(doc))
-    assert load_tool("gpu_check").main(["--summarize", *map(str, paths), "--out", str(tmp_path / "merged")]) == 0
+    assert load_tool("gpu_check").main(["--summarize", *map(str, paths), "--output", str(tmp_path / "merged")]) == 0
     merged = json.loads((tmp_path / "merged" / "gpu_check.json").read_text())
     assert merged["items"]["1b_eager"]["report"]["runners"][0]["throughput"]["mfu"] == 0.55
     assert any(row["source"] == "1b_lns_vs_pre_ln" and row["status"] == "met" for row in merged["summary"])
     assert (tmp_path / "merged" / "gpu_check.md").read_text() in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
-    assert load_tool("gpu_check").main(["--summarize", str(tmp_path / "bad.json"), "--out", str(tmp_path)]) == 2
+    assert load_tool("gpu_check").main(["--summarize", str(tmp_path / "bad.json"), "--output", str(tmp_path)]) == 2
 
 
 def test_items_whose_seconds_do_not_fit_are_not_started(tmp_path):
     load_tool("gpu_check").main(["--only", "7b_width_2_layers,7b_width_4_layers", "--time-limit-s", "30",
-                                 "--out", str(tmp_path)])
+                                 "--output", str(tmp_path)])
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     for name in ("7b_width_2_layers", "7b_width_4_layers"):
         assert doc["items"][name]["status"] == "not started" and "s needed" in doc["items"][name]["note"]
@@ -129,7 +129,7 @@ def test_dry_run_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     # The time limit is the subprocess's, not the default 540 s: a loaded machine must not leave items unstarted.
     env = {**os.environ, "LNSTRAIN_WHEEL_INSTALL": "installed", "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(out), "--time-limit-s", "880"],
+    completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--output", str(out), "--time-limit-s", "880"],
                                cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]

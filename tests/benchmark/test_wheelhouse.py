@@ -79,7 +79,7 @@ def test_the_wheelhouse_installs_offline_beside_torch_and_builds_an_engine(tmp_p
 
     wheelhouse = tmp_path / "wheelhouse"
     built = subprocess.run([sys.executable, "tools/build_wheelhouse.py", "--for-this-python", "--exclude", "torch",
-                            "--out", str(wheelhouse)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                            "--output", str(wheelhouse)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     assert (wheelhouse / "requirements.txt").read_text().splitlines()[0].startswith("deepspeed==")
     assert not list(wheelhouse.glob("torch-*.whl"))

@@ -347,7 +347,7 @@ def test_a_state_dict_whose_snapshot_does_not_fit_is_written_at_once(tmp_path, m
 
 
 def test_async_save_true_is_refused_before_launch_where_it_cannot_be(tiny_corpus, tmp_path, monkeypatch, caplog):
-    from lnstrain.checkpoint import async_save
+    from lnstrain.estimate import snapshot_memory
     from lnstrain.estimate.memory import memory_estimate
     from lnstrain.estimate.report import dry_run_summary
     from lnstrain.training.preflight import async_save_problems
@@ -363,7 +363,7 @@ def test_async_save_true_is_refused_before_launch_where_it_cannot_be(tiny_corpus
     assert "set checkpoint.async_save: false" in problem
 
     snapshot = memory_estimate(config(), 1, device="cpu").snapshot
-    monkeypatch.setattr(async_save, "host_memory", lambda: (int(snapshot), 100 * 2**30))  # 5 GiB kept free
+    monkeypatch.setattr(snapshot_memory, "host_memory", lambda: (int(snapshot), 100 * 2**30))  # 5 GiB kept free
     [problem] = async_save_problems(config("checkpoint.async_save=true"), 8, 4)
     assert "the checkpoint snapshots of the 4 rank(s) on this machine need about" in problem, problem
     with caplog.at_level(logging.WARNING):

@@ -142,3 +142,50 @@ def test_kill_at_every_moment_of_a_save_leaves_a_resumable_checkpoint(tiny_corpu
         final = json.loads((run_dir / "tiny" / "final_metrics.json").read_text())
         assert final["step"] == 4 and abs(final["eval_loss"] - straight.eval_losses[4]) <= TOLERANCE, final
         assert os.path.exists(run_dir / "tiny" / "checkpoints" / "global_step4" / "lnstrain_complete")
+
+
+def ctrl_c_twice_in_a_save_then_go_on(rank: int, world_size: int, corpus: TinyCorpus, root: Path) -> dict:
+    """A second Ctrl-C (KeyboardInterrupt) while the final save writes its first DeepSpeed file, then the
+    same run started again to stop at step 3: what the start logged and what it left."""
+    import logging
+
+    from lnstrain.checkpoint import save_points
+    from lnstrain.training.trainer import pretrain
+
+    config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(corpus, root) + RUN, world_size)
+    saves = []
+
+    def second_ctrl_c(label: str, path: Path | None) -> None:
+        saves.append(label) if label == "save started" else None
+        if len(saves) == 2 and label == "deepspeed file: written":
+            raise KeyboardInterrupt
+
+    save_points.observer = second_ctrl_c
+    try:
+        pretrain(config)
+        raise AssertionError("the run was not interrupted")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        save_points.observer = None
+    checkpoints = root / "tiny" / "checkpoints"
+    left = {p.name: is_complete(p) for p in checkpoints.glob("global_step*")}
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("lnstrain").addHandler(Keep(level=logging.WARNING))
+    again = pretrain(config, stop_at_step=3)
+    return {"left": left, "warnings": warnings, "resumed_from": again.resumed_from,
+            "after": {p.name: is_complete(p) for p in checkpoints.glob("global_step*")}}
+
+
+def test_a_save_cut_off_by_a_second_ctrl_c_is_removed_at_the_next_start_and_said_so(tiny_corpus, tmp_path):
+    [out] = run_distributed(ctrl_c_twice_in_a_save_then_go_on, 1, tiny_corpus, tmp_path, timeout_s=300)
+    assert out["left"] == {"global_step2": True, "global_step4": False}  # half-written, no marker
+    [removed] = [m for m in out["warnings"] if m.startswith("removed ")]
+    assert f"{tmp_path / 'tiny' / 'checkpoints' / 'global_step4'}: its save was cut off" in removed
+    assert Path(out["resumed_from"]).name == "global_step2"
+    assert out["after"] == {"global_step3": True}  # step 2 given up by keep_last=1, step 4 removed

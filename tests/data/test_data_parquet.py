@@ -106,14 +106,14 @@ def test_parquet_memory_does_not_grow_with_the_file(tmp_path):
 
 
 def test_tokenizer_trains_on_parquet_exactly_as_on_jsonl(corpus, tmp_path, capsys):
-    cfg = TokenizerTrainingConfig(inputs=[], output_prefix="unused", json_key="text", max_sentences=300, seed=5)
+    cfg = TokenizerTrainingConfig(inputs=[], output_prefix="unused", json_keys=["text"], max_sentences=300, seed=5)
     sample, stats = reservoir_sample(cfg, [corpus["jsonl"]])
     assert reservoir_sample(cfg, expand_inputs([corpus["saved"]]))[0] == sample
     tool = load_tool("train_tokenizer")
     models = []
     for name, source in [("jsonl", corpus["jsonl"]), ("parquet", corpus["parquet"])]:
         prefix = str(tmp_path / name)
-        assert tool.main(["--input", source, "--column", "text", "--vocab-size", "400",
+        assert tool.main(["--input", source, "--json-keys", "text", "--vocab-size", "400",
                           "--output-prefix", prefix, "--threads", "1"]) == 0
         models.append(open(prefix + ".model", "rb").read())
     assert models[0] == models[1]
@@ -140,7 +140,7 @@ def test_bad_columns_and_shards_are_one_clear_error(corpus, tokenizer_model, tmp
     (tmp_path / "dict_dir" / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}')
     columns_present = "columns present: id (int64), title (string), text (large_string)"
     cases = [
-        ([good, str(root / "part-1.parquet")], ["body"], [f"{good}: no column 'body'", columns_present, "with --columns"]),
+        ([good, str(root / "part-1.parquet")], ["body"], [f"{good}: no column 'body'", columns_present, "with --json-keys"]),
         ([good], ["title", "id"], [f"{good}: column 'id' holds int64, not strings", columns_present]),
         ([corpus["saved"]], ["body"], ["data-00000-of-00003.arrow: no column 'body'", "text (string)"]),
         ([good, str(tmp_path / "garbage.parquet")], ["text"], ["garbage.parquet: unreadable Parquet file"]),
@@ -153,7 +153,7 @@ def test_bad_columns_and_shards_are_one_clear_error(corpus, tokenizer_model, tmp
         out = tmp_path / "out"
         out.mkdir(exist_ok=True)
         code = tool.main(["--input", *inputs, "--tokenizer", tokenizer_model, "--output-prefix", str(out / "x"),
-                          "--columns", *keys, "--workers", "1", "--quiet"])
+                          "--json-keys", *keys, "--workers", "1", "--quiet"])
         err = capsys.readouterr().err
         assert code == 2, (inputs, err)
         assert err.count("error:") == 1 and "Traceback" not in err

@@ -120,6 +120,16 @@ def test_multiple_json_keys_and_bos(tmp_path, tokenizer_model):
     assert tok.decode(bodies[3][1:-1]) == "body 3" and tok.decode(titles[4][1:-1]) == "T4"
 
 
+def test_the_tokenizer_samples_every_key_it_is_given_as_preprocessing_reads_them(tmp_path):
+    path = _write_lines(tmp_path / "c.jsonl", [json.dumps({"title": f"T{i}", "text": f"body {i}"}).encode()
+                                               for i in range(3)])
+    both = TokenizerTrainingConfig(inputs=[path], output_prefix="unused", json_keys=["title", "text"])
+    sample, stats = reservoir_sample(both, [path])
+    assert sorted(sample) == ["T0", "T1", "T2", "body 0", "body 1", "body 2"] and stats["documents"] == 6
+    text_only, _ = reservoir_sample(TokenizerTrainingConfig(inputs=[path], output_prefix="unused"), [path])
+    assert sorted(text_only) == ["body 0", "body 1", "body 2"]  # the default key, text
+
+
 def test_zstd_missing_gives_clear_error(tmp_path, monkeypatch):
     path = tmp_path / "c.jsonl.zst"
     path.write_bytes(b"")

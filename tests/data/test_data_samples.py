@@ -156,9 +156,27 @@ def test_a_validation_split_too_small_for_the_evaluation_is_named_with_its_repet
         build_train_valid_datasets(cfg, 100, 20 * distinct, seed=1, builds_cache=True)
         build_train_valid_datasets(cfg, 100, 20 * distinct, seed=1, builds_cache=False)  # only the building rank warns
     (record,) = caplog.records
-    assert (f"the validation split is {len(held_out)} document(s)" in record.message
-            and f"{distinct} distinct sample(s)" in record.message and "served about 20 times" in record.message)
+    assert (f"the validation split is {len(held_out)} documents of" in record.message
+            and f"{distinct} distinct samples of data.seq_len 64" in record.message
+            and "served about 20 times" in record.message)
     assert "data.valid_fraction: 0.04" in record.message and "data.valid_sources" in record.message
+
+
+def test_a_validation_file_shorter_than_one_sample_says_so_and_not_how_often_each_is_served(
+        megatron_writer, tmp_path, caplog):
+    """9 tokens against data.seq_len 16: no distinct sample at all, every one the same tokens again."""
+    megatron_writer(str(tmp_path / "valid"), [[list(range(3, 12))]])
+    megatron_writer(str(tmp_path / "train"), [[list(range(3, 40))]] * 20)
+    cfg = DataConfig(sources=[DataSource(str(tmp_path / "train"))], valid_sources=[DataSource(str(tmp_path / "valid"))],
+                     seq_len=16, cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="lnstrain.data.builder"):
+        _, valid = build_train_valid_datasets(cfg, 10, 32, seed=1, builds_cache=True)
+    (record,) = caplog.records
+    assert record.message.startswith("the validation split is 1 document of 9 tokens in all, less than one sample "
+                                     "of data.seq_len 16, but an evaluation reads 32 samples"), record.message
+    assert "0 distinct" not in record.message and "served about" not in record.message
+    assert "give larger validation files (data.valid_sources)" in record.message
+    assert set(valid[0]["tokens"].tolist()) <= set(range(3, 12))  # what it says: those tokens again
 
 
 def test_cache_reused_and_rebuilt_when_inputs_change(demo_prefix, copy_prefix, demo_token_docs,

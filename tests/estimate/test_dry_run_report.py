@@ -36,6 +36,11 @@ def test_7b_report_mentions_every_item():
                  "checkpointing full", "Korthikanti", "tensor 2 × pipeline 2 × data 4",
                  '"train_batch_size": 512', '"gradient_accumulation_steps": 32'):
         assert item in text, item
+    [selective] = [line for line in text.splitlines() if "checkpointing selective" in line]
+    [none] = [line for line in text.splitlines() if "checkpointing none " in line]
+    assert none.split("peak")[0].split("activations")[1] == selective.split("peak")[0].split("activations")[1]
+    # the same figures as "none" at this precision, and the row says why: nothing but the core's log-sum-exp
+    assert "(saves 1.0 MiB: it recomputes only the attention core" in selective and "never stored" in selective
 
 
 def test_fp8_keeps_the_flops_and_says_mfu_stays_against_the_bf16_peak():

@@ -63,7 +63,7 @@ def tracked_overrides(corpus, output_dir: Path, steps: int, eval_tasks: bool) ->
 @pytest.fixture(scope="session")
 def offline_in_repo(tmp_path_factory):
     """Offline Hugging Face libraries and W&B, their caches and files in temporary directories (W&B's in
-    the run directory), run from the repository root (the local task's data_files are relative to it)."""
+    the run directory), run from the repository root (where TASKS_DIR, a relative include path, is)."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in OFFLINE.items():
             patch.setenv(name, value)

@@ -49,7 +49,7 @@ depth:
 def _run(study: Path, out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "STUDY": str(study), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    return subprocess.run(["bash", "launch/gpu_depth_point.sh", "--out", str(out)], cwd=REPO, env=env,
+    return subprocess.run(["bash", "launch/gpu_depth_point.sh", "--output", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

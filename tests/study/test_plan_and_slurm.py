@@ -50,7 +50,7 @@ def test_plan_layout_notes_name_the_sizes_they_are_about():
     assert all(line.startswith("- ") and ": tensor " in line for line in notes if line), notes
 
 
-def test_plan_refuses_what_does_not_fit():
+def test_plan_refuses_what_does_not_fit(tmp_path):
     study = load_study(STUDIES / "lns_7b.yaml")
     config = compose_run_config(study, "7b", "lns", 1)
     with pytest.raises(LayoutError, match="no layout of 2 GPUs fits 85% of 16 GiB"):
@@ -59,9 +59,11 @@ def test_plan_refuses_what_does_not_fit():
     planned = plan_study(study)
     assert all(p.error for p in planned)
     assert "Refused (no layout fits)" in format_plan(study, planned)
-    result = subprocess.run([sys.executable, "launch/scaling_study.py", "plan", str(STUDIES / "lns_7b.yaml")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    # the study's output_dir (runs/lns_7b) is relative: from tmp_path, the plan files land there, not in the checkout
+    result = subprocess.run([sys.executable, str(REPO / "launch" / "scaling_study.py"), "plan",
+                             str(STUDIES / "lns_7b.yaml")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "7b_lns_s1234" in result.stdout and "GPU-h" in result.stdout
+    assert (tmp_path / "runs" / "lns_7b" / "_study" / "plan.json").is_file()
 
 
 def test_7b_plan_uses_two_nodes_and_fits():
@@ -227,9 +229,9 @@ def test_plan_states_its_speed_assumption_and_takes_a_measured_mfu(tmp_path):
     bench.write_text(json.dumps({"runners": [{"name": "x", "throughput": {"mfu": None}}]}))
     with pytest.raises(ConfigError, match="no peak TFLOP/s"):
         measured_speed(bench)
-    result = subprocess.run([sys.executable, "launch/scaling_study.py", "plan", str(STUDIES / "lns_7b.yaml"),
-                             "--mfu-from", str(tmp_path / "absent.json")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(REPO / "launch" / "scaling_study.py"), "plan",
+                             str(STUDIES / "lns_7b.yaml"), "--mfu-from", str(tmp_path / "absent.json")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "not a tools/benchmark.py --json file" in result.stderr
     assert "Traceback" not in result.stderr
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import scipy.stats  # the independent reference for the fits (setup.py's test extra installs it)
 
 from lnstrain.analysis.depth_analysis import DepthAnalysis, summarize
 from lnstrain.analysis.pruning import EvalResult, LayerPruning
@@ -28,7 +29,7 @@ def _trend(points: dict[int, list[float]], sign: int = 1) -> Trend:
 
 
 def test_t_quantiles_agree_with_scipy():
-    stats = pytest.importorskip("scipy.stats")
+    stats = scipy.stats
     for dof in (1, 2, 3, 7, 30, 31, 60, 500):
         assert t_quantile_975(dof) == pytest.approx(stats.t.ppf(0.975, dof), abs=1e-3)
     with pytest.raises(ValueError):
@@ -36,7 +37,7 @@ def test_t_quantiles_agree_with_scipy():
 
 
 def test_slope_and_interval_agree_with_an_independent_fit():
-    stats = pytest.importorskip("scipy.stats")
+    stats = scipy.stats
     points = {8: [-0.81, -0.77], 16: [-0.62, -0.57], 32: [-0.41, -0.44], 48: [-0.30]}
     trend = _trend(points)
     xs = [math.log2(x) for x, v in points.items() for _ in v]
@@ -108,6 +109,7 @@ FINISHED = ["depth8x64_{}_s1234", "depth8x64_{}_s1235", "depth16x64_{}_s1234", "
             "depth32x64_{}_s1234", "depth48x64_{}_s1234", "depth16x128_{}_s1234"]
 
 
+@pytest.mark.slow
 def test_collect_reports_claims_against_size_and_regenerates_from_the_archive(tmp_path, monkeypatch):
     corpus = build_tiny_corpus(tmp_path / "corpus")
     study = load_study(REPO / "configs/studies/depth_width.yaml")
@@ -168,6 +170,7 @@ def test_collect_reports_claims_against_size_and_regenerates_from_the_archive(tm
     assert "| depth48x64_lns_s1235 | 7,200 | 7,372,800 | not run (no checkpoint here, none archived) |" in again
 
 
+@pytest.mark.slow
 def test_another_studys_point_is_shown_beside_a_trend_and_not_fitted(tmp_path, monkeypatch):
     """depth.beside: the GPU point (12 x 768) beside the width trend, its g in a table of its own and set
     against the width line extrapolated to 768; the fit itself is the same with and without it."""

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lnstrain.checkpoint.metadata import COMPLETE_MARKER, step_of
 from lnstrain.testing.tiny_corpus import TINY_RUN_CONFIG, tiny_run_overrides
 from lnstrain.training.outcome import EXIT_STOPPED
@@ -49,6 +51,7 @@ def test_preflight_reports_every_problem_before_training(tiny_corpus, tmp_path):
     assert "training steps" not in done.stdout  # nothing started
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_to_be_resumed(tiny_corpus, tmp_path):
     overrides = tiny_run_overrides(tiny_corpus, tmp_path) + [
         "train.steps=1000", "checkpoint.interval_steps=0", "train.eval_interval=0"]
@@ -79,6 +82,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_to_be_resumed(tiny_corpus, tmp_pat
     assert (tmp_path / "tiny" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_dry_run_of_a_multi_gpu_config_without_a_launcher():
     """A plain `python ... --dry-run` estimates one data-parallel replica; --world-size picks another size."""
     command = [sys.executable, str(LAUNCHER), "--config", str(REPO / "configs" / "7b_lns.yaml"), "--dry-run"]

@@ -162,6 +162,20 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_a_problem_and_a_smaller_one_a
         "data.tokenizer has 200 pieces and model.vocab_size is 256: 56 embedding rows will never be used")
 
 
+def test_ids_of_the_tokenizer_beyond_the_model_vocabulary_name_the_vocabulary_not_another_tokenizer(tiny_corpus,
+                                                                                                   tmp_path):
+    """The token files hold ids the tokenizer made: the fix is model.vocab_size, and nothing is guessed."""
+    from lnstrain.data.file_checks import token_file_problems
+
+    config = load_config(TINY_RUN_CONFIG, tiny_run_overrides(tiny_corpus, tmp_path), validate=False)
+    [problem] = token_file_problems(config.data, 150, 200)
+    assert "a piece of data.tokenizer (200 pieces) but outside model.vocab_size (150): set model.vocab_size to 200" \
+        in problem, problem
+    assert "another tokenizer" not in problem and "corrupt" not in problem
+    [problem] = token_file_problems(config.data, 150, 160)  # beyond both: made by another tokenizer (or damaged)
+    assert "outside model.vocab_size (150); the data was tokenized with another tokenizer" in problem
+
+
 # --- checks that need another machine, in process ---------------------------------------------------
 TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 16},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": 10}}

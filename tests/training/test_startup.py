@@ -32,6 +32,7 @@ def assert_nothing_built(tmp_path: Path, output: str) -> None:
     assert "Traceback" not in output, output[-3000:]
 
 
+@pytest.mark.slow
 def test_plain_python_trains_without_a_compiler_and_prints_only_its_own_lines(tiny_corpus: TinyCorpus, tmp_path):
     command = launcher_command(tiny_run_overrides(tiny_corpus, tmp_path) + SHORT_RUN)
     done = subprocess.run(command, capture_output=True, text=True, env=without_compiler(tmp_path), timeout=300)

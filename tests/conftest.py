@@ -1,0 +1,38 @@
+"""What every test session keeps: nothing is left inside the checkout (tests write under temporary
+directories only; the checkout's .venv and Python's and pytest's caches aside)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHES = ("__pycache__/", ".pytest_cache/", ".egg-info/")
+
+
+def checkout_entries() -> set[str] | None:
+    """Untracked and ignored entries of the checkout as ``git status`` lists them (an ignored or new
+    directory as one entry), or None outside a git checkout."""
+    try:
+        listed = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=normal"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if listed.returncode:
+        return None
+    entries = {line[3:] for line in listed.stdout.splitlines() if line[:2] in ("??", "!!")}
+    return {entry for entry in entries if not entry.endswith(CACHES)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_the_checkout():
+    before = checkout_entries()
+    yield
+    after = checkout_entries()
+    if before is None or after is None:
+        return
+    left = sorted(after - before)
+    assert not left, (f"the tests left {', '.join(left)} in the checkout {REPO}: a test must write under its "
+                      "tmp_path (or run its subprocess with cwd=tmp_path)")
