@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from lnstrain.no_follow import open_for_appending
+from lnstrain.report_lines import escaped
 from lnstrain.run_files import RUN_LOG_FILE
 
 LOG_FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
@@ -76,7 +78,12 @@ def console_lost() -> str | None:
 
 
 class _RunLogHandler(logging.FileHandler):
-    """The run log's handler: a file that cannot be written is said once, on the console, then left."""
+    """The run log's handler: a file that cannot be written is said once, on the console, then left. It
+    is opened without following a link (``no_follow.open_for_appending``): a link planted at its name
+    is refused, never written through."""
+
+    def _open(self):  # noqa: ANN202 (logging.FileHandler's own hook)
+        return os.fdopen(open_for_appending(self.baseFilename), "a", encoding=self.encoding, errors=self.errors)
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
@@ -104,7 +111,7 @@ class RunLog:
         try:
             handler = _RunLogHandler(self.path, mode="a", encoding="utf-8", delay=False)
         except OSError as error:
-            self.tell(f"lnstrain: cannot open {self.path} ({error.strerror}); this launch's lines go to the "
+            self.tell(f"lnstrain: cannot open {escaped(self.path)} ({error.strerror or error}); this launch's lines go to the "
                       "console only")
             self.path = None
             return

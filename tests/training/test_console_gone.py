@@ -82,3 +82,27 @@ def test_sigterm_with_stdout_and_stderr_on_a_full_disk_still_saves_exits_75_and_
             trainer.kill()
     log = check_the_stop(tmp_path / "tiny", "SIGTERM", "No space left on device")
     assert log.count("=== ") == 1 and "launch/pretrain.py --config" in log.split("\n", 1)[0]  # one launch, named
+
+
+@pytest.mark.parametrize("plant", ["hard link", "symbolic link"])
+def test_a_link_planted_at_the_run_log_is_refused_and_its_target_untouched(tmp_path, plant, capfd):
+    """The run log is appended through ``no_follow.open_for_appending``: a link at its name would send
+    the trainer's lines into a file outside the run."""
+    import logging
+
+    from lnstrain.training.run_log import RunLog
+
+    victim = tmp_path / "outside.txt"
+    victim.write_text("keep me\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (os.link if plant == "hard link" else os.symlink)(victim, run_dir / RUN_LOG_FILE)
+    run_log = RunLog()
+    run_log.open(run_dir, 0, "python launch/pretrain.py")
+    try:
+        logging.getLogger("lnstrain.test").warning("a line that must not reach the victim")
+    finally:
+        run_log.close()
+    assert run_log.path is None
+    assert victim.read_text() == "keep me\n"
+    assert f"cannot open {run_dir / RUN_LOG_FILE}" in capfd.readouterr().err
