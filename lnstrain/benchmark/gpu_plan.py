@@ -59,48 +59,62 @@ def _bench(*args: str) -> tuple[str, ...]:
 
 
 _EAGER = ("--set", "train.compile=false")
+_FP8_LAYOUT = ("--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=1")
+"""What FP8 needs, named for the CPU dry run's fp32 tiny config (the 1B config has both already)."""
 
 SWITCHES_EAGER = "lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation"
 """What the eager item leaves out in turn on its one engine (``lnstrain/benchmark/switches.py``): each change's
 worth, and LNS against Pre-LN (LNS's factor off), interleaved with the engine as built."""
-SWITCHES_COMPILED = "rotary_kernel+swiglu_kernel,fused_accumulation"
+SWITCHES_COMPILED = "rotary_kernel+swiglu_kernel,fused_accumulation,chunked_loss"
 """The compiled item's: both kernels off together (inductor's own fusion of the plain ops, one recompilation),
-and the accumulation (outside the compiled layers, no recompilation)."""
+the accumulation and the chunked loss (both outside the compiled layers, no recompilation). Memory is read
+from the engine as built, before any runner with a switch off has stepped."""
 
 PLAN: tuple[Item, ...] = (
     Item("environment", 1, 50, "environment", "(a)",
          "the GPU, torch, CUDA, DeepSpeed (installed offline from .whl/), and one bf16 engine step on CUDA"),
-    Item("1b_eager", 1, 120, "benchmark", "(b) (c) (e)",
+    Item("1b_eager", 1, 105, "benchmark", "(b) (c) (e)",
          "1B LNS seq 2048 bf16, training layout (ZeRO 1, fp32 master weights and accumulation, 8 micro-batches of "
          "4), eager: a one-step kernel profile first, then tokens/s, MFU and memory against the --dry-run estimate, "
          "interleaved on the one engine with LNS's factor (Pre-LN), each Triton kernel and the fused accumulation "
          "left out in turn",
-         ("--config", CONFIG_1B, *_bench(*_EAGER, "--switches", SWITCHES_EAGER, "--warmup", "2", "--steps", "10",
+         ("--config", CONFIG_1B, *_bench(*_EAGER, "--switches", SWITCHES_EAGER, "--warmup", "2", "--steps", "8",
                                          "--profile-steps", "1")),
          needs_engine=True),
-    Item("1b_compiled", 1, 165, "benchmark", "(b)",
+    Item("1b_compiled", 1, 170, "benchmark", "(b)",
          "the same, every transformer layer compiled (torch.compile, inductor, the default path): the first step "
-         "compiles, a one-step kernel profile, then interleaved with both kernels left out (inductor's own fusion) "
-         "and with the fused accumulation left out",
+         "compiles, a one-step kernel profile, then interleaved with both kernels left out (inductor's own fusion), "
+         "with the fused accumulation left out and with the loss's fp32 copy of the logits (fp32_logits)",
          ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", "--switches", SWITCHES_COMPILED, "--warmup",
                                          "2", "--steps", "8", "--profile-steps", "1")),
+         needs_engine=True),
+    Item("1b_fp8_compiled", 1, 120, "benchmark", "(g)",
+         "the compiled item's engine with float8 linears (precision.fp8=tensorwise): tokens/s against 1b_compiled's "
+         "bf16, MFU against the bf16 peak, memory; no switch (turning FP8 off would compile the layers again)",
+         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", *_FP8_LAYOUT, "--set", "precision.fp8=tensorwise",
+                                         "--warmup", "2", "--steps", "6")),
          needs_engine=True),
     Item("core_tests", 1, 95, "tests", "(d)",
          "the GPU suite's core: the SDPA kernel chosen, fused RMSNorm with the LNS factor, ring attention on "
          "FlashAttention's kernels, bf16 GPU against fp32 CPU engine steps, resume bit for bit on the GPU, the HF "
          "export",
          ("-m", "gpu and gpu_core", "tests/gpu")),
-    Item("1b_micro_batch_8", 1, 65, "benchmark", "(b) (c)",
+    Item("1b_micro_batch_8", 2, 65, "benchmark", "(b) (c)",
          "the 1B training layout with 4 micro-batches of 8 instead of 8 of 4 (the same 65,536 tokens a step), "
          "eager: tokens/s, MFU and memory, against 1b_eager's",
          ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "train.micro_batch_size=8", "--warmup", "2", "--steps",
                                          "5")),
          needs_engine=True),
-    Item("1b_vs_hf_model", 1, 45, "benchmark", "(f)",
+    Item("1b_vs_hf_model", 2, 45, "benchmark", "(f)",
          "lnstrain's model against transformers' LlamaForCausalLM, the same driver (torch AdamW, bf16 autocast), "
-         "one micro-batch of 2 a step, eager (met in the first call, 1.254x: a short check)",
+         "one micro-batch of 2 a step, eager (met in the first H100 call, 1.254x: a short check)",
          ("--config", CONFIG_1B, "--runner", "model", "--baseline", "hf", *_EAGER, "--set",
           "train.global_batch_size=2", "--set", "train.micro_batch_size=2", "--warmup", "2", "--steps", "4")),
+    Item("1b_fp8_rowwise_compiled", 2, 120, "benchmark", "(g)",
+         "as 1b_fp8_compiled with rowwise scales (precision.fp8=rowwise): its cost against tensorwise",
+         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", *_FP8_LAYOUT, "--set", "precision.fp8=rowwise",
+                                         "--warmup", "2", "--steps", "6")),
+         needs_engine=True),
     Item("1b_lns_vs_pre_ln", 3, 75, "benchmark", "(e)",
          "LNS against Pre-LN on one engine in the training layout, its norms' LNS factors switched between "
          "interleaved steps (the schemes differ only there), eager, alone and with more steps than 1b_eager's pair",
@@ -108,15 +122,15 @@ PLAN: tuple[Item, ...] = (
                                          "--steps", "20")),
          needs_engine=True),
     Item("full_tests", 2, 240, "tests", "(d)", "the whole GPU suite", ("-m", "gpu", "tests/gpu")),
-    Item("1b_paper_shape", 2, 95, "benchmark", "(b)",
+    Item("1b_paper_shape", 3, 95, "benchmark", "(b)",
          "the paper's 1B shape (FFN 5461, not a multiple of 64) in the training layout, eager",
          ("--config", CONFIG_1B, *_bench(*_EAGER, "--set", "model.ffn_multiple_of=1", "--warmup", "2", "--steps", "8")),
          needs_engine=True),
-    Item("7b_width_2_layers", 2, 70, "benchmark", "-",
+    Item("7b_width_2_layers", 3, 70, "benchmark", "-",
          "7B width (hidden 4096, FFN 11008) at seq 4096, 2 layers",
          ("--config", CONFIG_7B_WIDTH, *_bench(*_EAGER, "--set", "model.num_layers=2", "--warmup", "2", "--steps", "10")),
          needs_engine=True),
-    Item("7b_width_4_layers", 2, 80, "benchmark", "-",
+    Item("7b_width_4_layers", 3, 80, "benchmark", "-",
          "the same with 4 layers: the difference is one 7B layer's cost, projected to 32 layers",
          ("--config", CONFIG_7B_WIDTH, *_bench(*_EAGER, "--set", "model.num_layers=4", "--warmup", "2", "--steps", "10")),
          needs_engine=True),

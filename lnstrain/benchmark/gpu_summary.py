@@ -12,8 +12,8 @@ An item's status is ``done``, ``failed``, ``skipped`` (it needs the engine and t
 or ``not started`` (its seconds did not fit in what was left of the call); a ``done`` item's ``note``
 says what went wrong after its figures were taken (its process killed in its teardown). Several calls'
 documents are joined by ``merge_documents``. ``summary_rows`` reads the issue's figures out of it and
-checks each goal: the environment item passing under a minute, the core GPU tests passing, 1B LNS MFU >= 50%
-(non-causal FLOPs), lnstrain >= 1.2x Hugging Face LLaMA, the LNS / Pre-LN step-time ratio's 95%
+checks each goal: the environment item passing under a minute, the core GPU tests passing, 1B LNS MFU >= 55%
+(non-causal FLOPs), float8 linears >= 1.15x the compiled bf16 step's tokens/s (MFU against the bf16 peak), lnstrain >= 1.2x Hugging Face LLaMA, the LNS / Pre-LN step-time ratio's 95%
 interval inside [0.99, 1.01], the ``--dry-run`` memory estimate within 10% of the measured peak, and the
 7B-width per-layer MFU with the 32-layer projection it gives. Beside them, for information: what each change
 is worth (the step time with it left out over the step time as built, from a ``--switches`` report), the
@@ -28,13 +28,16 @@ from typing import Any
 
 SCHEMA = "lnstrain.gpu_check/2"
 
-MFU_GOAL = 0.50
+MFU_GOAL = 0.55
+FP8_SPEEDUP_GOAL = 1.15
 HF_SPEEDUP_GOAL = 1.2
 LNS_RATIO_BAND = (0.99, 1.01)
 MEMORY_BAND = (0.9, 1.1)
 ENVIRONMENT_SECONDS_GOAL = 60.0
 CORE_TESTS_SECONDS_GOAL = 120.0
 PROJECTED_LAYERS = 32  # the 7B preset
+FIRST_CALL_FIGURES = ("1b_eager", "1b_compiled", "1b_fp8_compiled")
+"""Benchmark items of the first call: their rows are listed even when the item did not run."""
 
 
 @dataclass(frozen=True)
@@ -146,13 +149,15 @@ def tests_rows(doc: dict[str, Any]) -> list[Row]:
 def throughput_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     for name, label in (("1b_eager", "FFN 5632, eager"), ("1b_compiled", "FFN 5632, compiled"),
+                        ("1b_fp8_compiled", "FFN 5632, compiled, FP8 tensorwise"),
+                        ("1b_fp8_rowwise_compiled", "FFN 5632, compiled, FP8 rowwise"),
                         ("1b_micro_batch_8", "FFN 5632, micro-batch 8, eager"),
                         ("1b_paper_shape", "the paper's FFN 5461, eager")):
         report = _report(doc, name)
         figure = f"(b) 1B LNS seq 2048 bf16, training layout ({label}): tokens/s, TFLOP/s, MFU"
-        goal = f"MFU >= {MFU_GOAL:.0%}" if name != "1b_paper_shape" else "-"
+        goal = f"MFU >= {MFU_GOAL:.0%}" + (" (against the bf16 peak)" if "fp8" in name else "") if name != "1b_paper_shape" else "-"
         if report is None:
-            if _ran(doc, name) or name in ("1b_eager", "1b_compiled"):
+            if _ran(doc, name) or name in FIRST_CALL_FIGURES:
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         rate = report["runners"][0]["throughput"]
@@ -163,6 +168,30 @@ def throughput_rows(doc: dict[str, Any]) -> list[Row]:
             measured += "; " + triton_kernels_line(report["triton_kernels"])
         status = "info" if name == "1b_paper_shape" else ("not measured" if mfu is None else _status(mfu >= MFU_GOAL))
         rows.append(Row(figure, measured, goal, status, name))
+    return rows
+
+
+FP8_SOURCES = ("1b_fp8_compiled", "1b_fp8_rowwise_compiled")
+"""Float8 items, each compared with ``1b_compiled``'s engine as built (bf16 linears, the same call)."""
+
+
+def fp8_rows(doc: dict[str, Any]) -> list[Row]:
+    """Float8's tokens/s over the compiled bf16 step's (separate processes of one call, the same config but
+    ``precision.fp8``); the goal is the tensorwise item's."""
+    rows = []
+    bf16 = _report(doc, "1b_compiled")
+    for name in FP8_SOURCES:
+        figure = f"(g) FP8 {name.split('_')[2] if 'rowwise' in name else 'tensorwise'} / bf16 tokens/s (compiled, 1B training layout)"
+        goal = f">= {FP8_SPEEDUP_GOAL}x" if name == "1b_fp8_compiled" else "-"
+        report = _report(doc, name)
+        if report is None or bf16 is None:
+            if _ran(doc, name) or name == "1b_fp8_compiled":
+                rows.append(_not_measured(figure, goal, name if report is None else "1b_compiled", doc))
+            continue
+        rates = [r["runners"][0]["throughput"]["tokens_per_s"] for r in (report, bf16)]
+        speedup = rates[0] / rates[1]
+        status = _status(speedup >= FP8_SPEEDUP_GOAL) if name == "1b_fp8_compiled" else "info"
+        rows.append(Row(figure, f"{speedup:.3f}x ({rates[0]:,.0f} against {rates[1]:,.0f} tok/s)", goal, status, name))
     return rows
 
 
@@ -327,11 +356,12 @@ def layer_rows(doc: dict[str, Any]) -> list[Row]:
 def memory_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     goal = f"estimate / measured in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]"
-    for name, mode in (("1b_eager", "none"), ("1b_memory_full", "full"), ("1b_memory_selective", "selective")):
+    for name, mode in (("1b_eager", "none"), ("1b_compiled", "none, compiled"), ("1b_fp8_compiled", "none, compiled, FP8"),
+                       ("1b_memory_full", "full"), ("1b_memory_selective", "selective")):
         figure = f"(c) --dry-run memory estimate vs max_memory_allocated, checkpointing {mode}"
         report = _report(doc, name)
         if report is None:
-            if _ran(doc, name) or mode == "none":
+            if _ran(doc, name) or name in FIRST_CALL_FIGURES:
                 rows.append(_not_measured(figure, goal, name, doc))
             continue
         memory = report.get("memory") or {}
@@ -356,8 +386,8 @@ _GPU_SHAPE = re.compile("|".join(re.escape(shape) for shape in DRY_RUN_SHAPES))
 
 def summary_rows(doc: dict[str, Any]) -> list[Row]:
     """Every figure of the check with its goal and status, in the issue's order."""
-    rows = (environment_rows(doc) + throughput_rows(doc) + memory_rows(doc) + tests_rows(doc) + lns_rows(doc)
-            + hf_rows(doc) + layer_rows(doc) + switch_rows(doc))
+    rows = (environment_rows(doc) + throughput_rows(doc) + fp8_rows(doc) + memory_rows(doc) + tests_rows(doc)
+            + lns_rows(doc) + hf_rows(doc) + layer_rows(doc) + switch_rows(doc))
     if doc.get("dry_run"):
         rows = [replace(row, figure=_GPU_SHAPE.sub(lambda match: DRY_RUN_SHAPES[match.group(0)], row.figure))
                 for row in rows]

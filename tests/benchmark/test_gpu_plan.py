@@ -21,8 +21,8 @@ def test_every_call_fits_the_limit_and_the_limit_fits_one_device_command():
 
 def test_the_first_call_runs_the_decisive_items_first_in_the_issues_order():
     first = [item.name for item in call_items(1)]
-    assert first == ["environment", "1b_eager", "1b_compiled", "core_tests", "1b_micro_batch_8", "1b_vs_hf_model"]
-    assert [ITEMS[name].issue_item for name in first] == ["(a)", "(b) (c) (e)", "(b)", "(d)", "(b) (c)", "(f)"]
+    assert first == ["environment", "1b_eager", "1b_compiled", "1b_fp8_compiled", "core_tests"]
+    assert [ITEMS[name].issue_item for name in first] == ["(a)", "(b) (c) (e)", "(b)", "(g)", "(d)"]
     assert ITEMS["environment"].seconds <= 60  # fail fast
     assert ITEMS["core_tests"].seconds <= 120 and ITEMS["core_tests"].args[:2] == ("-m", "gpu and gpu_core")
     eager, compiled = ITEMS["1b_eager"].args, ITEMS["1b_compiled"].args
@@ -32,7 +32,12 @@ def test_the_first_call_runs_the_decisive_items_first_in_the_issues_order():
         assert args[args.index("--profile-steps") + 1] == "1" and "--switches" in args
     assert set(parse_switch_sets(eager[eager.index("--switches") + 1])) == {
         ("lns_factor",), ("rotary_kernel",), ("swiglu_kernel",), ("fused_accumulation",)}
-    assert ("rotary_kernel", "swiglu_kernel") in parse_switch_sets(compiled[compiled.index("--switches") + 1])
+    compiled_sets = parse_switch_sets(compiled[compiled.index("--switches") + 1])
+    assert ("rotary_kernel", "swiglu_kernel") in compiled_sets and ("chunked_loss",) in compiled_sets
+    fp8 = ITEMS["1b_fp8_compiled"].args
+    assert "precision.fp8=tensorwise" in fp8 and "train.compile=true" in fp8 and "--switches" not in fp8
+    second = [item.name for item in call_items(2)]  # item 5's layout and the ratio already met lead the second call
+    assert second[:2] == ["1b_micro_batch_8", "1b_vs_hf_model"]
     assert "train.micro_batch_size=8" in ITEMS["1b_micro_batch_8"].args
     assert ITEMS["1b_vs_hf_model"].seconds < 55  # met in the first call: shortened
     assert {"full_tests", "7b_width_2_layers", "7b_width_4_layers"} <= {item.name for item in PLAN if item.call > 1}
@@ -61,7 +66,8 @@ def test_plan_prints_every_item_and_ends_with_the_total(capsys):
 
 def test_an_empty_document_lists_every_first_call_figure_as_not_run():
     rows = summary_rows({"items": {}})
-    assert {row.source for row in rows} >= {"environment", "1b_eager", "1b_compiled", "core_tests", "1b_vs_hf_model"}
+    assert {row.source for row in rows} >= {"environment", "1b_eager", "1b_compiled", "1b_fp8_compiled", "core_tests",
+                                            "1b_vs_hf_model"}
     assert all(row.status == "not measured" for row in rows)
 
 
