@@ -104,11 +104,13 @@ class RunLog:
         self._loss_noted = False
 
     def open(self, run_dir: Path, rank: int, command: str) -> None:
-        """Append this launch's lines to ``run_dir``'s log from now on (rank 0 only)."""
+        """Append this launch's lines to ``run_dir``'s log from now on (rank 0 only), creating the run
+        directory: it is called once the pre-launch check has passed, which creates nothing."""
         if rank != 0:
             return
         self.path = Path(run_dir) / RUN_LOG_FILE
         try:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             handler = _RunLogHandler(self.path, mode="a", encoding="utf-8", delay=False)
         except OSError as error:
             self.tell(f"lnstrain: cannot open {escaped(self.path)} ({error.strerror or error}); this launch's lines go to the "

@@ -137,5 +137,5 @@ def test_build_engine_fails_before_any_collective():
 
 
 def test_build_engine_rejects_groups_that_disagree_with_the_config():
-    with pytest.raises(ValueError, match=r"process groups are \(tensor, pipeline, data\) = \(1, 1, 1\)"):
+    with pytest.raises(ValueError, match=r"process groups are \(tensor, pipeline, context, context method\) = \(1, 1, 1, .ring.\)"):
         build_engine(make_config(Layout("tp2", tensor=2)), SINGLE)
