@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lnstrain.config.loader import ConfigError
 from lnstrain.parallel.config import world_size_problems
+from lnstrain.parallel.float8 import ALIGNMENT
 
 if TYPE_CHECKING:
     from lnstrain.data.config import DataConfig
@@ -143,7 +144,21 @@ def _context_problems(config: RunSections) -> list[str]:
     if model.attention_dropout > 0:
         problems.append(f"model.attention_dropout ({model.attention_dropout}) must be 0 with parallel.context > 1: "
                         "attention across the context split has no dropout")
-    return problems
+    return problems + [problem for problem in [_context_fp8_problem(config)] if problem]
+
+
+def _context_fp8_problem(config: RunSections) -> str:
+    """Float8 products need every dimension a multiple of ``float8.ALIGNMENT`` (else they stay 16-bit): a
+    context rank's linear layers see micro-batch × sequence / N tokens, one process's all of them, so
+    where only the whole is aligned the ranks would compute in bf16 what one process computes in float8."""
+    mode, context = config.precision.fp8, config.parallel.context
+    tokens = config.train.micro_batch_size * config.data.seq_len
+    if mode == "none" or tokens % ALIGNMENT or tokens % (2 * context) or (tokens // context) % ALIGNMENT == 0:
+        return ""
+    return (f"precision.fp8 {mode} with parallel.context {context}: each context rank's linear layers see "
+            f"train.micro_batch_size × data.seq_len / {context} = {tokens // context} tokens, not a multiple of "
+            f"{ALIGNMENT}, so they would compute in bf16 what one process computes in float8; make "
+            f"micro_batch_size × seq_len ({tokens}) divisible by {ALIGNMENT * context}")
 
 
 def _shape_problems(config: RunSections) -> list[str]:
