@@ -97,29 +97,22 @@ ZERO3_COMPILE_REFUSAL = (
     "parallel.zero_stage 1 or 2 with compilation, or train.compile: false (or auto, which leaves ZeRO-3 eager).")
 
 
-CONTEXT_COMPILE_REFUSAL = (
-    "train.compile: true with parallel.context > 1: the attention across the context split communicates "
-    "inside each layer (point-to-point or all-to-all), which torch.compile does not trace, and compiled "
-    "layers with context parallelism are untested. Use train.compile: false (or auto, which leaves them eager).")
-
-
 def compiles_layers(config: RunSections, device_type: str) -> bool:
     """Whether ``build_model`` compiles the transformer layers on ``device_type`` (``cuda`` or ``cpu``):
-    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 or with context parallelism
-    (``compile_problem`` refuses true there)."""
+    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 (``compile_problem`` refuses true there).
+    Context parallelism compiles like any layout: the attention across the split is one opaque operator
+    in the graph (``parallel.ring_attention``) or functional all-to-alls dynamo traces."""
     setting = config.train.compile
-    if config.parallel.zero_stage == 3 or config.parallel.context > 1:
+    if config.parallel.zero_stage == 3:
         return False
     return setting is True or (setting == "auto" and device_type == "cuda")
 
 
 def compile_problem(config: RunSections) -> str:
     """Why ``train.compile`` cannot be true with this layout; empty when it can."""
-    if config.train.compile is not True:
-        return ""
-    if config.parallel.zero_stage == 3:
+    if config.train.compile is True and config.parallel.zero_stage == 3:
         return ZERO3_COMPILE_REFUSAL
-    return CONTEXT_COMPILE_REFUSAL if config.parallel.context > 1 else ""
+    return ""
 
 
 def _context_problems(config: RunSections) -> list[str]:
