@@ -204,8 +204,8 @@ def _tensor_parallel_pair(rank, world_size, names):
     results = {name: numpy(run_pair(groups, name)) for name in names}
     results.update({f"{name} context": numpy(run_pair(context, name)) for name in names})
     sequence_parallel = ParallelGroups.build(tensor=world_size, pipeline=1, sequence_parallel=True)
-    results["compiled"] = {(name, on.sequence_parallel): compiled_block_against_eager(name, on, rank)
-                           for name in names for on in (groups, sequence_parallel)}
+    results["compiled"] = {(name, on): compiled_block_against_eager(name, layout, rank) for name in names
+                           for on, layout in (("tensor", groups), ("sequence", sequence_parallel), ("context", context))}
     # the control: every rank scales its shards by their own maxima (the MAX all-reduces left out)
     float8.dist = types.SimpleNamespace(
         ReduceOp=dist.ReduceOp,
@@ -243,8 +243,9 @@ def test_tensor_parallel_float8_equals_the_single_process_float8(tensor_parallel
     by_rank, names = tensor_parallel_pairs
     layout = ParallelGroups(tp_size=2, tp_rank=0)
     up, down = mlp_pair(layout)
-    for result in by_rank:  # compiled under tensor and sequence parallelism: one graph, eager's bits
-        assert result["compiled"] == {(name, sp): (1, 0, True) for name in names for sp in (False, True)}
+    for result in by_rank:  # compiled under tensor, sequence and context parallelism: one graph, eager's bits
+        assert result["compiled"] == {(name, on): (1, 0, True) for name in names
+                                      for on in ("tensor", "sequence", "context")}
     unfused, _ = run_pair(ParallelGroups.single_process(), None)
     for name in names:
         single, _ = run_pair(ParallelGroups.single_process(), name)
@@ -326,7 +327,8 @@ def test_set_fp8_mode_reaches_the_blocks_linears_only_and_switches_back():
 
 def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int, int, bool]:
     """(graphs, graph breaks, compiled == eager bit for bit) of a bf16 ``TransformerBlock`` with float8 linears
-    compiled with the ``aot_eager`` backend (what inductor would receive), on ``groups``' tensor ranks."""
+    compiled with the ``aot_eager`` backend (what inductor would receive), on ``groups``' tensor or context
+    ranks (the ring an opaque operator, the scales' all-reduces functional collectives in the graph)."""
     import torch._dynamo
 
     from lnstrain.model import TransformerBlock, model_preset
@@ -339,6 +341,7 @@ def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int,
     grad = torch.randn(2, 16, 32, generator=generator).to(torch.bfloat16)
     if groups.sequence_parallel:
         x, grad = (t.chunk(groups.tp_size, dim=1)[rank].contiguous() for t in (x, grad))
+    x, grad = (split_for_context(t, 1, groups).contiguous() for t in (x, grad))
 
     def step(fn):
         block.zero_grad(set_to_none=True)
@@ -357,5 +360,6 @@ def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int,
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_compiled_block_traces_float8_into_one_graph_with_eagers_bits(name):
     """``train.compile`` with float8 linears: dynamo and AOTAutograd trace the whole block without a break
-    and give eager's output and gradients (under tensor and sequence parallelism: the multi-rank test)."""
+    and give eager's output and gradients (under tensor, sequence and context parallelism: the multi-rank
+    test)."""
     assert compiled_block_against_eager(name, ParallelGroups.single_process()) == (1, 0, True)
