@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lnstrain.config.loader import ConfigError
 from lnstrain.parallel.config import world_size_problems
+from lnstrain.parallel.float8 import ALIGNMENT
 
 if TYPE_CHECKING:
     from lnstrain.data.config import DataConfig
@@ -96,29 +97,22 @@ ZERO3_COMPILE_REFUSAL = (
     "parallel.zero_stage 1 or 2 with compilation, or train.compile: false (or auto, which leaves ZeRO-3 eager).")
 
 
-CONTEXT_COMPILE_REFUSAL = (
-    "train.compile: true with parallel.context > 1: the attention across the context split communicates "
-    "inside each layer (point-to-point or all-to-all), which torch.compile does not trace, and compiled "
-    "layers with context parallelism are untested. Use train.compile: false (or auto, which leaves them eager).")
-
-
 def compiles_layers(config: RunSections, device_type: str) -> bool:
     """Whether ``build_model`` compiles the transformer layers on ``device_type`` (``cuda`` or ``cpu``):
-    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 or with context parallelism
-    (``compile_problem`` refuses true there)."""
+    ``train.compile`` true, or ``auto`` on CUDA; never at ZeRO 3 (``compile_problem`` refuses true there).
+    Context parallelism compiles like any layout: the attention across the split is one opaque operator
+    in the graph (``parallel.ring_attention``) or functional all-to-alls dynamo traces."""
     setting = config.train.compile
-    if config.parallel.zero_stage == 3 or config.parallel.context > 1:
+    if config.parallel.zero_stage == 3:
         return False
     return setting is True or (setting == "auto" and device_type == "cuda")
 
 
 def compile_problem(config: RunSections) -> str:
     """Why ``train.compile`` cannot be true with this layout; empty when it can."""
-    if config.train.compile is not True:
-        return ""
-    if config.parallel.zero_stage == 3:
+    if config.train.compile is True and config.parallel.zero_stage == 3:
         return ZERO3_COMPILE_REFUSAL
-    return CONTEXT_COMPILE_REFUSAL if config.parallel.context > 1 else ""
+    return ""
 
 
 def _context_problems(config: RunSections) -> list[str]:
@@ -143,7 +137,21 @@ def _context_problems(config: RunSections) -> list[str]:
     if model.attention_dropout > 0:
         problems.append(f"model.attention_dropout ({model.attention_dropout}) must be 0 with parallel.context > 1: "
                         "attention across the context split has no dropout")
-    return problems
+    return problems + [problem for problem in [_context_fp8_problem(config)] if problem]
+
+
+def _context_fp8_problem(config: RunSections) -> str:
+    """Float8 products need every dimension a multiple of ``float8.ALIGNMENT`` (else they stay 16-bit): a
+    context rank's linear layers see micro-batch × sequence / N tokens, one process's all of them, so
+    where only the whole is aligned the ranks would compute in bf16 what one process computes in float8."""
+    mode, context = config.precision.fp8, config.parallel.context
+    tokens = config.train.micro_batch_size * config.data.seq_len
+    if mode == "none" or tokens % ALIGNMENT or tokens % (2 * context) or (tokens // context) % ALIGNMENT == 0:
+        return ""
+    return (f"precision.fp8 {mode} with parallel.context {context}: each context rank's linear layers see "
+            f"train.micro_batch_size × data.seq_len / {context} = {tokens // context} tokens, not a multiple of "
+            f"{ALIGNMENT}, so they would compute in bf16 what one process computes in float8; make "
+            f"micro_batch_size × seq_len ({tokens}) divisible by {ALIGNMENT * context}")
 
 
 def _shape_problems(config: RunSections) -> list[str]:

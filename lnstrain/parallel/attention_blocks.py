@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -98,27 +97,30 @@ def _expanded(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
-    """(output [b, hq, sq, d] in q's dtype, log-sum-exp fp32 [b, hq, sq], what the backward kernel needs
-    besides) from ``aten._scaled_dot_product_flash_attention``."""
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [b, hq, sq, d] in q's dtype, log-sum-exp fp32 [b, hq, sq]) from
+    ``aten._scaled_dot_product_flash_attention``."""
     heads = q.shape[1]
     result = torch.ops.aten._scaled_dot_product_flash_attention(
         q, _expanded(k, heads), _expanded(v, heads), 0.0, causal, False, scale=scale)
-    out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused = result[:8]
-    return out, lse, (cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused)
+    return result[0], result[1]
 
 
 def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float,
-                   aux: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reference_backward`` by ``aten._scaled_dot_product_flash_attention_backward``; ``aux`` is what
-    ``flash_forward`` returned for a block of the same shape. dk and dv summed over each key/value
-    head's query heads."""
+                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference_backward`` by ``aten._scaled_dot_product_flash_attention_backward``. dk and dv summed over
+    each key/value head's query heads.
+
+    Of what the forward kernel returns besides, the backward reads nothing without dropout: the dense
+    kernel takes no cumulative sequence lengths (undefined, as the forward returns them), and the random
+    state (seed and offset) is read only when dropout is on, so empty stand-ins are passed; nothing but
+    tensors then crosses the ring's operators. ``flash_matches_reference`` checks this form on the device
+    before any ring uses it."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused = aux
+    no_random_state = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, _expanded(k, heads), _expanded(v, heads), out, lse.contiguous(), cum_seq_q, cum_seq_k,
-        max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+        grad_out, q, _expanded(k, heads), _expanded(v, heads), out, lse.contiguous(), None, None,
+        q.shape[2], k.shape[2], 0.0, causal, no_random_state, no_random_state, scale=scale)
     if heads != kv_heads:
         b, _, sk, d = dk.shape
         dk = dk.reshape(b, kv_heads, heads // kv_heads, sk, d).sum(dim=2)
@@ -149,9 +151,9 @@ def flash_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
         for causal, rows, keys in ((True, slice(None), slice(None)), (False, slice(None), slice(None, s // 2)),
                                    (False, half, slice(None))):
             block = (q[:, :, rows], k[:, :, keys], v[:, :, keys])
-            out, lse, aux = flash_forward(*block, causal, scale)
+            out, lse = flash_forward(*block, causal, scale)
             ref_out, ref_lse = reference_forward(*block, causal, scale)
-            grads = flash_backward(grad[:, :, rows], *block, out, lse, causal, scale, aux)
+            grads = flash_backward(grad[:, :, rows], *block, out, lse, causal, scale)
             ref_grads = reference_backward(grad[:, :, rows], *block, out, lse, causal, scale)
             pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
             worst = max(float((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in pairs)

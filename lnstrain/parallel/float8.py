@@ -20,12 +20,20 @@ With x [M, K], W [N, K], g [M, N], the scales are taken over:
     gW = gᵀ x        g, each column over M       x, each column over M
 
 Tensor parallelism: a column-parallel layer holds N / t rows of W (and produces N / t columns of y and
-g), a row-parallel layer K / t columns (and receives K / t columns of x). Every maximum taken over a
-dimension a rank holds only part of is all-reduced (MAX) over the tensor group, so each rank quantizes
-its shard with the scale the single process uses for the whole tensor: the shards' products are terms
-of the single process's, and tensor-parallel FP8 equals single-process FP8 within the summation order,
-as in 16-bit (``tests/parallel/test_float8.py``). Where key/value heads are replicated over tensor ranks
-(fewer heads than ranks) each copy's output gradient is partial, so its scales are taken over the part.
+g), a row-parallel layer K / t columns (and receives K / t columns of x). Context parallelism: a rank
+holds M / c of a micro-batch's tokens (its two chunks of each sequence, ``parallel.context``). Every
+maximum taken over a dimension a rank holds only part of is all-reduced (MAX) over the group that splits
+it, the tensor group for K or N, the context group for M (both, one after the other, where both apply:
+the maximum over tensor × context), so each rank quantizes its shard with the scale the single process
+uses for the whole tensor: the shards' products are terms of the single process's, and parallel FP8
+equals single-process FP8 within the summation order, as in 16-bit (``tests/parallel/test_float8.py``;
+the weight gradient's terms over M are summed over data × context with the other gradients). Over M go
+the tensorwise scales of x and g and the rowwise column scales of the weight-gradient product (M is its
+contraction); the rowwise scales along K or N are per token and need no context reduction. The
+all-to-all context method (Ulysses) changes nothing here: its linear layers see the rank's M / c tokens
+too, the heads are exchanged only inside attention. Where key/value heads are replicated over tensor
+ranks (fewer heads than ranks) each copy's output gradient is partial, so its scales are taken over the
+part.
 
 Products whose M, N or K is not a multiple of 16 (cuBLAS's FP8 requirement) run in the activations'
 dtype, on every device alike. Off CUDA the same scaled product is computed exactly as ``_scaled_mm``
@@ -71,15 +79,18 @@ def recipe_for(mode: str, device_type: str) -> Float8Recipe | None:
     return Float8Recipe(rowwise=mode == "rowwise", emulate=device_type != "cuda")
 
 
-def _scale(t: torch.Tensor, dim: int | None, dtype: torch.dtype, group: Any, power_of_two: bool) -> torch.Tensor:
+def _scale(t: torch.Tensor, dim: int | None, dtype: torch.dtype, groups: Sequence[Any],
+           power_of_two: bool) -> torch.Tensor:
     """fp32 scale(s) taking ``t``'s absolute maximum (over ``dim``, kept as size 1; over everything when None),
-    all-reduced over ``group`` when given, to ``dtype``'s largest value."""
+    all-reduced over each of ``groups`` that is not None (the maximum over their product), to ``dtype``'s
+    largest value."""
     if dim is None:
         amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
     else:
         amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
 
@@ -107,42 +118,44 @@ def _product(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
 class _Float8Linear(torch.autograd.Function):
     """y = x Wᵀ with float8 products (module docstring). ``k_group`` / ``n_group``: the tensor group when
-    K (row-parallel) or N (column-parallel) is split over it; ``replica_rows``: (rows, group) blocks of W
-    whose gradient is summed over ``group`` (replicated key/value heads)."""
+    K (row-parallel) or N (column-parallel) is split over it; ``m_group``: the context group when the
+    tokens M are; ``replica_rows``: (rows, group) blocks of W whose gradient is summed over ``group``
+    (replicated key/value heads)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, k_group: Any, n_group: Any,
-                replica_rows: tuple):
+                m_group: Any, replica_rows: tuple):
         x2 = x.reshape(-1, x.shape[-1])
-        # rowwise, each of W's rows is over K; tensorwise, all of W, split over K or N
+        # rowwise, each of W's rows is over K and each of x's rows (one token) too; tensorwise, all of W,
+        # split over K or N, and all of x, split over K and M
         weight_group = k_group if recipe.rowwise or k_group is not None else n_group
         dim = -1 if recipe.rowwise else None
-        x_scale = _scale(x2, dim, E4M3, k_group, recipe.rowwise)
-        w_scale = _scale(weight, dim, E4M3, weight_group, recipe.rowwise)
+        x_scale = _scale(x2, dim, E4M3, (k_group,) if recipe.rowwise else (k_group, m_group), recipe.rowwise)
+        w_scale = _scale(weight, dim, E4M3, (weight_group,), recipe.rowwise)
         y = _product(_cast(x2, x_scale, E4M3), _cast(weight, w_scale, E4M3).t(), x_scale,
                      w_scale.t() if recipe.rowwise else w_scale, x.dtype, recipe, fast_accum=True)
         ctx.save_for_backward(x, weight, x_scale, w_scale)
-        ctx.recipe, ctx.groups, ctx.replica_rows = recipe, (k_group, n_group), replica_rows
+        ctx.recipe, ctx.groups, ctx.replica_rows = recipe, (k_group, n_group, m_group), replica_rows
         # not a view (as F.linear's output is not): the row-parallel exit all-reduces it in place
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, x_scale, w_scale = ctx.saved_tensors
-        recipe, (k_group, n_group) = ctx.recipe, ctx.groups
+        recipe, (k_group, n_group, m_group) = ctx.recipe, ctx.groups
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         if recipe.rowwise:
-            g_rows = _scale(g2, -1, E4M3, n_group, True)  # [M, 1], over N
-            w_columns = _scale(weight, 0, E4M3, n_group, True)  # [1, K], over N
+            g_rows = _scale(g2, -1, E4M3, (n_group,), True)  # [M, 1], over N
+            w_columns = _scale(weight, 0, E4M3, (n_group,), True)  # [1, K], over N
             grad_x = _product(_cast(g2, g_rows, E4M3), _column_major(_cast(weight, w_columns, E4M3)), g_rows,
                               w_columns, x.dtype, recipe, fast_accum=False)
-            g_columns = _scale(g2, 0, E4M3, None, True)  # [1, N], over M
-            x_columns = _scale(x2, 0, E4M3, None, True)  # [1, K], over M
+            g_columns = _scale(g2, 0, E4M3, (m_group,), True)  # [1, N], over M
+            x_columns = _scale(x2, 0, E4M3, (m_group,), True)  # [1, K], over M
             grad_weight = _product(_cast(g2, g_columns, E4M3).t().contiguous(),
                                    _column_major(_cast(x2, x_columns, E4M3)), g_columns.t(), x_columns,
                                    weight.dtype, recipe, fast_accum=False)
         else:
-            g_scale = _scale(g2, None, E5M2, n_group, False)
+            g_scale = _scale(g2, None, E5M2, (n_group, m_group), False)
             g8 = _cast(g2, g_scale, E5M2)
             grad_x = _product(g8, _column_major(_cast(weight, w_scale, E4M3)), g_scale, w_scale, x.dtype, recipe,
                               fast_accum=False)
@@ -150,7 +163,7 @@ class _Float8Linear(torch.autograd.Function):
                                    weight.dtype, recipe, fast_accum=False)
         for rows, group in ctx.replica_rows:
             dist.all_reduce(grad_weight[rows], group=group)  # a block of rows is contiguous: reduced in place
-        return grad_x.view_as(x), grad_weight, None, None, None, None
+        return grad_x.view_as(x), grad_weight, None, None, None, None, None
 
 
 def fits_float8(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -160,9 +173,10 @@ def fits_float8(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, *, k_group: Any = None,
-                  n_group: Any = None, replica_rows: Sequence[tuple[slice, Any]] = ()) -> torch.Tensor:
+                  n_group: Any = None, m_group: Any = None,
+                  replica_rows: Sequence[tuple[slice, Any]] = ()) -> torch.Tensor:
     """``F.linear(x, weight)`` computed with float8 products (``recipe``; the shapes must pass
     ``fits_float8``); ``k_group`` / ``n_group`` is the tensor group when this rank holds part of the input
-    (row-parallel) or output features (column-parallel), None otherwise; ``replica_rows`` as in
-    ``mappings.linear_summing_replica_grads``."""
-    return _Float8Linear.apply(x, weight, recipe, k_group, n_group, tuple(replica_rows))
+    (row-parallel) or output features (column-parallel), ``m_group`` the context group when it holds part
+    of the tokens, None otherwise; ``replica_rows`` as in ``mappings.linear_summing_replica_grads``."""
+    return _Float8Linear.apply(x, weight, recipe, k_group, n_group, m_group, tuple(replica_rows))

@@ -10,8 +10,8 @@ r * units // tp, shared with its tp / units neighbours, and each copy sees only 
 rank's uses; backward sums the copies' gradients over those neighbours, inside autograd.
 
 The linear layers compute in float8 when given a recipe (``fp8``, set on the transformer blocks' layers by
-``model.build.set_fp8_mode``; ``parallel.float8``), with scales that make tensor-parallel FP8 equal to
-single-process FP8.
+``model.build.set_fp8_mode``; ``parallel.float8``), with scales that make tensor- and context-parallel FP8
+equal to single-process FP8.
 
 Each sharded weight carries the attributes DeepSpeed (and lnstrain's own clipping) read:
 `tensor_model_parallel` (count this rank's gradient in the global norm; parameters without it
@@ -77,7 +77,9 @@ class ShardedWeightLayer(nn.Module):
         if self.fp8 is not None and fits_float8(x, weight):
             split = self.groups.tp_group if self.groups.tp_size > 1 else None
             return float8_linear(x, weight, self.fp8, k_group=split if self.partition_dim == 1 else None,
-                                 n_group=split if self.partition_dim == 0 else None, replica_rows=replica_rows)
+                                 n_group=split if self.partition_dim == 0 else None,
+                                 m_group=self.groups.cp_group if self.groups.cp_size > 1 else None,
+                                 replica_rows=replica_rows)
         if replica_rows:
             return linear_summing_replica_grads(x, weight, replica_rows)
         return F.linear(x, weight)

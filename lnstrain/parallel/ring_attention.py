@@ -18,12 +18,19 @@ what is kept for backward, as with FlashAttention. Communication is point-to-poi
 (``torch.distributed.batch_isend_irecv``, gloo or NCCL), posted before the step's computation so
 that it can overlap with it; a peer that dies makes the receive fail at the process group's timeout
 (``train.collective_timeout_minutes``) instead of waiting forever.
+
+Forward and backward are torch custom operators (``lnstrain::ring_attention`` and
+``lnstrain::ring_attention_backward``, with fake implementations that give the shapes), so that
+``torch.compile`` keeps the ring out of its graph as one opaque call while the rest of each layer
+compiles, activation checkpointing included: dynamo traces no point-to-point communication (torch 2.11
+cannot), and inductor never reorders the exchanges. The operators name the context group by its
+registered name (``ProcessGroup.group_name``, as torch's functional collectives do).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,57 +69,103 @@ def _block(step: int, groups: ParallelGroups, seq: int) -> tuple[str, slice, sli
     return "late_queries", slice(half, None), slice(None)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-        batch, heads, seq, head_dim = q.shape
-        scale = 1.0 / math.sqrt(head_dim)
-        flash = uses_flash(q)
-        # laid out [batch, seq, heads, head_dim], so that joining the heads after attention is a view
-        out = torch.zeros(batch, seq, heads, head_dim, dtype=torch.float32, device=q.device).transpose(1, 2)
-        lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
-        aux: dict[str, Any] = {}
-        kv = torch.stack([k, v])
-        for step in range(groups.cp_size):
-            exchange = _Exchange(kv, groups) if step < groups.cp_size - 1 else None
-            kind, rows, keys = _block(step, groups, seq)
-            block = (q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], kind == "own", scale)
-            if flash:
-                block_out, block_lse, aux[kind] = flash_forward(*block)
-            else:
-                block_out, block_lse = reference_forward(*block)
-            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            if exchange is not None:
-                kv = exchange.wait()
-        result = out.to(q.dtype)  # keeps the layout
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.groups, ctx.flash, ctx.aux = groups, flash, aux
-        return result
+class _Peers(NamedTuple):
+    """The context group as the ring uses it (``ParallelGroups`` has the same fields)."""
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        groups = ctx.groups
-        seq, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grad_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-        kv = torch.stack([k, v])
-        for step in range(groups.cp_size):
-            exchange = _Exchange(kv, groups) if step < groups.cp_size - 1 else None
-            kind, rows, keys = _block(step, groups, seq)
-            block = (grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
-                     lse[:, :, rows], kind == "own", scale)
-            if ctx.flash:
-                dq, dk, dv = flash_backward(*block, ctx.aux[kind])
-            else:
-                dq, dk, dv = reference_backward(*block)
-            grad_q[:, :, rows] += dq
-            grad_kv[0][:, :, keys] += dk
-            grad_kv[1][:, :, keys] += dv
-            grad_kv = _Exchange(grad_kv, groups).wait()  # on to the next rank; the previous rank's block arrives
-            if exchange is not None:
-                kv = exchange.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
+    cp_size: int
+    cp_rank: int
+    cp_ranks: tuple[int, ...]
+    cp_group: Any
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output shaped like q in q's dtype, laid out [batch, seq, heads, head_dim] in memory; fp32
+    log-sum-exp [batch, heads, seq]) of this rank's queries over the whole sequence."""
+    batch, heads, seq, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim)
+    flash = uses_flash(q)
+    # laid out [batch, seq, heads, head_dim], so that joining the heads after attention is a view
+    out = torch.zeros(batch, seq, heads, head_dim, dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    for step in range(groups.cp_size):
+        exchange = _Exchange(kv, groups) if step < groups.cp_size - 1 else None
+        kind, rows, keys = _block(step, groups, seq)
+        block = (q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], kind == "own", scale)
+        block_out, block_lse = flash_forward(*block) if flash else reference_forward(*block)
+        _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        if exchange is not None:
+            kv = exchange.wait()
+    return out.to(q.dtype), lse  # keeps the layout
+
+
+def ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v (contiguous, in their dtypes) from the output's, given ``ring_forward``'s
+    output and log-sum-exp."""
+    seq, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
+    flash = uses_flash(q)
+    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grad_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+    kv = torch.stack([k, v])
+    for step in range(groups.cp_size):
+        exchange = _Exchange(kv, groups) if step < groups.cp_size - 1 else None
+        kind, rows, keys = _block(step, groups, seq)
+        block = (grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
+                 lse[:, :, rows], kind == "own", scale)
+        dq, dk, dv = flash_backward(*block) if flash else reference_backward(*block)
+        grad_q[:, :, rows] += dq
+        grad_kv[0][:, :, keys] += dk
+        grad_kv[1][:, :, keys] += dv
+        grad_kv = _Exchange(grad_kv, groups).wait()  # on to the next rank; the previous rank's block arrives
+        if exchange is not None:
+            kv = exchange.wait()
+    # copies even in fp32: an operator's outputs must not share memory
+    return grad_q.to(q.dtype), grad_kv[0].to(k.dtype, copy=True), grad_kv[1].to(v.dtype, copy=True)
+
+
+def _resolve_peers(group_name: str, rank: int, ranks: list[int]) -> _Peers:
+    return _Peers(len(ranks), rank, tuple(ranks), dist.distributed_c10d._resolve_process_group(group_name))
+
+
+@torch.library.custom_op("lnstrain::ring_attention", mutates_args=())
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, rank: int,
+                       ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return ring_forward(q, k, v, _resolve_peers(group_name, rank, ranks))
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name, rank, ranks):
+    batch, heads, seq, head_dim = q.shape
+    return (q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2),
+            q.new_empty((batch, heads, seq), dtype=torch.float32))
+
+
+@torch.library.custom_op("lnstrain::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, group_name: str, rank: int,
+                                ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ring_backward(grad_out, q, k, v, out, lse, _resolve_peers(group_name, rank, ranks))
+
+
+@_ring_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, group_name, rank, ranks):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, *peers = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.peers = peers
+    ctx.mark_non_differentiable(output[1])
+
+
+def _gradient(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:
+    grads = torch.ops.lnstrain.ring_attention_backward(grad_out, *ctx.saved_tensors, *ctx.peers)
+    return (*grads, None, None, None)
+
+
+_ring_attention_op.register_autograd(_gradient, setup_context=_save_for_backward)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -132,4 +185,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Pa
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs this rank's two equal chunks; got {q.shape[2]} positions")
-    return _RingAttention.apply(q, k, v, groups)
+    out, _ = torch.ops.lnstrain.ring_attention(q, k, v, groups.cp_group.group_name, groups.cp_rank,
+                                               list(groups.cp_ranks))
+    return out

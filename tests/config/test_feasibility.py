@@ -112,7 +112,6 @@ SP_SHARE = "data.seq_len / parallel.context (8) must be divisible by parallel.te
 ALL_TO_ALL = "parallel.context_method all_to_all needs the query heads (4) and key/value heads (2) of each tensor rank " \
              "divisible by parallel.context (4)"
 DROPOUT = "model.attention_dropout (0.1) must be 0 with parallel.context > 1"
-COMPILE = "train.compile: true with parallel.context > 1"
 
 
 @pytest.mark.parametrize("parallel, model, data, train, world_size, expected", [
@@ -120,7 +119,7 @@ COMPILE = "train.compile: true with parallel.context > 1"
     ({"context": 2, "tensor": 16, "sequence_parallel": True}, {"num_heads": 16, "num_kv_heads": 16, "hidden_size": 64},
      {"seq_len": 16}, {}, 32, [SP_SHARE]),
     ({"context": 4, "context_method": "all_to_all"}, {"attention_dropout": 0.1}, {"seq_len": 16}, {"compile": True},
-     4, [ALL_TO_ALL, DROPOUT, COMPILE]),
+     4, [ALL_TO_ALL, DROPOUT]),  # compiled layers are not refused: tests/parallel/test_compiled_layouts.py
 ])
 def test_context_parallelism_is_refused_before_launch_where_it_cannot_run(parallel, model, data, train, world_size,
                                                                           expected):
@@ -130,6 +129,19 @@ def test_context_parallelism_is_refused_before_launch_where_it_cannot_run(parall
     for says in expected:
         assert sum(says in problem for problem in problems) == 1, (says, problems)
     assert len(problems) == len(expected), problems
+
+
+@pytest.mark.parametrize("micro_batch, refused", [(1, True), (2, False)])
+def test_fp8_with_context_parallelism_needs_each_ranks_tokens_aligned_as_one_processs(micro_batch, refused):
+    """16 tokens a micro-batch are float8 products on one process; cut over 2 context ranks, 8 would not be."""
+    config = config_from_dict({**TINY, "parallel": {"context": 2}, "precision": {"dtype": "bf16", "fp8": "rowwise"},
+                               "data": {"seq_len": 16, "sources": [{"prefix": "tokens"}]},
+                               "train": {**TINY["train"], "micro_batch_size": micro_batch}})
+    problems = config.validate(world_size=2, check_files=False)
+    expected = ("precision.fp8 rowwise with parallel.context 2: each context rank's linear layers see "
+                "train.micro_batch_size × data.seq_len / 2 = 8 tokens, not a multiple of 16, so they would compute "
+                "in bf16 what one process computes in float8; make micro_batch_size × seq_len (16) divisible by 32")
+    assert problems == ([expected] if refused else []), problems
 
 
 def test_context_parallelism_within_its_rules_is_accepted_and_deepspeed_counts_data_times_context():

@@ -7,7 +7,9 @@ the batch is cut (data-parallel ranks, micro-batches) and how the model is split
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,15 +50,19 @@ class Layout:
     fp8_in_place: str = "none"
     """Switch the built engine's blocks to this float8 mode (``set_fp8_mode``), whatever the dtype: fp32
     engines then check float8's parity without bf16's rounding."""
+    fp8_context_scales: bool = True
+    """False: the control that leaves float8's MAX all-reduces over the context group out (each context
+    rank scales by the maxima of its own tokens)."""
 
     def config(self, steps: int = STEPS) -> Config:
         return make_config(self, steps)
 
     @property
     def reference(self) -> "Layout":
-        """The single-process layout with this one's model."""
-        return Layout(f"reference{'_tied' if self.tied else ''}_kv{self.kv_heads}{'' if self.fused_qkv else '_separate'}",
-                      tied=self.tied, kv_heads=self.kv_heads, fused_qkv=self.fused_qkv)
+        """The single-process layout with this one's model (and float8 mode, switched in place)."""
+        return Layout(f"reference{'_tied' if self.tied else ''}_kv{self.kv_heads}{'' if self.fused_qkv else '_separate'}"
+                      f"{'' if self.fp8_in_place == 'none' else '_fp8_' + self.fp8_in_place}",
+                      tied=self.tied, kv_heads=self.kv_heads, fused_qkv=self.fused_qkv, fp8_in_place=self.fp8_in_place)
 
 
 def make_config(layout: Layout, steps: int = STEPS, num_layers: int = 6) -> Config:
@@ -133,8 +139,27 @@ def layer_factors(module: torch.nn.Module) -> list[tuple[int, float]]:
     return [(m.layer_number, m.lns_factor) for m in module.modules() if isinstance(m, TransformerBlock)]
 
 
+@contextlib.contextmanager
+def _float8_scales_without_context_group(leave_out: bool) -> Iterator[None]:
+    """While ``leave_out``: the layers' float8 products take no context group (the control's scales)."""
+    from lnstrain.parallel import layers
+
+    whole = layers.float8_linear
+    if leave_out:
+        layers.float8_linear = lambda *args, m_group=None, **kwargs: whole(*args, **kwargs)
+    try:
+        yield
+    finally:
+        layers.float8_linear = whole
+
+
 def train_layout(layout: Layout, world_size: int, steps: int = STEPS) -> dict[str, Any]:
     """Train ``layout`` for ``steps`` steps on this rank; gradients of step 1 from every rank."""
+    with _float8_scales_without_context_group(not layout.fp8_context_scales):
+        return _train_layout(layout, steps)
+
+
+def _train_layout(layout: Layout, steps: int) -> dict[str, Any]:
     from lnstrain.model.build import build_groups
     from lnstrain.training.engine import build_engine
 

@@ -1,5 +1,5 @@
 """Float8 linear products (``lnstrain.parallel.float8``): what is cast to what, with which scales, the
-numbers they give, and tensor-parallel scales equal to the single process's.
+numbers they give, and tensor- and context-parallel scales equal to the single process's.
 
 Every scaled product is recorded on the CPU (the exact emulation of ``torch._scaled_mm`` that runs there,
 itself checked against torch's CPU ``_scaled_mm`` where the build has one) and its operands are checked as
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lnstrain.parallel import float8
+from lnstrain.parallel.context import natural_order, split_for_context
 from lnstrain.parallel.float8 import E4M3, E5M2, Float8Recipe, fits_float8, float8_linear
 from lnstrain.parallel.groups import ParallelGroups
 from lnstrain.parallel.layers import ColumnParallelLinear, OutputPart, RowParallelLinear
@@ -177,8 +178,12 @@ def _run_pair(groups, name):
     for layer in (up, down):
         layer.fp8 = RECIPES[name] if name else None
     generator = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 16, HIDDEN, generator=generator)
-    grad = torch.randn(2, 16, HIDDEN, generator=generator)
+    x = torch.randn(2, 32, HIDDEN, generator=generator)
+    grad = torch.randn(2, 32, HIDDEN, generator=generator)
+    # the late tokens 4× larger, so that the early chunks' own maxima would give other scales
+    x[:, 16:] *= 4
+    grad[:, 16:] *= 4
+    x, grad = (split_for_context(t, 1, groups).contiguous() for t in (x, grad))  # this context rank's tokens
     x.requires_grad_()
     y = down(up(x))
     y.backward(grad)
@@ -195,16 +200,19 @@ def _tensor_parallel_pair(rank, world_size, names):
         return [t.numpy().copy() for t in tensors], [(a.numpy().copy(), b.numpy().copy()) for a, b in scales]
 
     groups = ParallelGroups.build(tensor=world_size, pipeline=1)
+    context = ParallelGroups.build(tensor=1, pipeline=1, context=world_size)
     results = {name: numpy(run_pair(groups, name)) for name in names}
+    results.update({f"{name} context": numpy(run_pair(context, name)) for name in names})
     sequence_parallel = ParallelGroups.build(tensor=world_size, pipeline=1, sequence_parallel=True)
-    results["compiled"] = {(name, on.sequence_parallel): compiled_block_against_eager(name, on, rank)
-                           for name in names for on in (groups, sequence_parallel)}
+    results["compiled"] = {(name, on): compiled_block_against_eager(name, layout, rank) for name in names
+                           for on, layout in (("tensor", groups), ("sequence", sequence_parallel), ("context", context))}
     # the control: every rank scales its shards by their own maxima (the MAX all-reduces left out)
     float8.dist = types.SimpleNamespace(
         ReduceOp=dist.ReduceOp,
         all_reduce=lambda t, op=dist.ReduceOp.SUM, group=None: None if op == dist.ReduceOp.MAX else dist.all_reduce(
             t, op=op, group=group))
     results.update({f"{name} per shard": numpy(run_pair(groups, name)) for name in names})
+    results.update({f"{name} context per shard": numpy(run_pair(context, name)) for name in names})
     return results
 
 
@@ -216,8 +224,15 @@ def shard_of(single: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tens
     return single
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_pairs():
+    """Every rank's results of ``_tensor_parallel_pair`` (one 2-rank launch for the tensor and context tests)."""
+    names = ["tensorwise", "rowwise"]
+    return run_distributed(_tensor_parallel_pair, 2, names, timeout_s=240), names
+
+
 @pytest.mark.multirank
-def test_tensor_parallel_float8_equals_the_single_process_float8():
+def test_tensor_parallel_float8_equals_the_single_process_float8(tensor_parallel_pairs):
     """Two tensor ranks, fp32 activations so that only the summation order may differ: output and gradients
     within 1e-5 (relative Frobenius) of the single process's float8 results, and every scale of the six
     products the single process's (or its slice along the sharded dimension), for both recipes. The
@@ -225,32 +240,72 @@ def test_tensor_parallel_float8_equals_the_single_process_float8():
     tensorwise scales misses by more than 1e-3. (Rowwise scales are powers of two, and multiplying by one
     does not change float8's relative rounding: a shard's own scales change results only where values
     fall out of float8's range, 2^15 below a row's maximum; so the scales themselves are compared.)"""
-    names = ["tensorwise", "rowwise"]
-    by_rank = run_distributed(_tensor_parallel_pair, 2, names, timeout_s=240)
+    by_rank, names = tensor_parallel_pairs
     layout = ParallelGroups(tp_size=2, tp_rank=0)
     up, down = mlp_pair(layout)
-    for result in by_rank:  # compiled under tensor and sequence parallelism: one graph, eager's bits
-        assert result["compiled"] == {(name, sp): (1, 0, True) for name in names for sp in (False, True)}
+    for result in by_rank:  # compiled under tensor, sequence and context parallelism: one graph, eager's bits
+        assert result["compiled"] == {(name, on): (1, 0, True) for name in names
+                                      for on in ("tensor", "sequence", "context")}
     unfused, _ = run_pair(ParallelGroups.single_process(), None)
     for name in names:
-        single, single_scales = run_pair(ParallelGroups.single_process(), name)
+        single, _ = run_pair(ParallelGroups.single_process(), name)
         assert ((single[0] - unfused[0]).norm() / unfused[0].norm()).item() > 1e-2  # float8 did round
-        for run, same_scales in ((name, True), (f"{name} per shard", False)):
-            ranks = [[torch.from_numpy(t) for t in result[run][0]] for result in by_rank]
-            tensor_parallel = [ranks[0][0], ranks[0][1], up.unshard([r[2] for r in ranks]),
-                               down.unshard([r[3] for r in ranks])]
-            errors = [((actual - expected).norm() / expected.norm()).item()
-                      for actual, expected in zip(tensor_parallel, single)]
-            matches = [torch.equal(shard_of(expected, torch.from_numpy(actual), rank), torch.from_numpy(actual))
-                       for rank, result in enumerate(by_rank)
-                       for pair, expected_pair in zip(result[run][1], single_scales)
-                       for actual, expected in zip(pair, expected_pair)]
-            assert len(matches) == 2 * 6 * 2
-            if same_scales:
-                assert all(matches) and max(errors) < 1e-5, (run, matches, errors)
-            else:
-                assert not all(matches), run
-                assert name == "rowwise" or max(errors) > 1e-3, (run, errors)
+        assert_single_process_products(
+            by_rank, name, (name, f"{name} per shard"),
+            lambda ranks: [ranks[0][0], ranks[0][1], up.unshard([r[2] for r in ranks]), down.unshard([r[3] for r in ranks])],
+            shard_of)
+
+
+def assert_single_process_products(by_rank: list, name: str, runs: tuple[str, str], assemble, scale_part) -> None:
+    """``runs`` (with the MAX all-reduces, and the control without) against the single process's ``name`` pair:
+    ``assemble`` makes the single process's output and gradients of the ranks' ones, ``scale_part(single,
+    local, rank)`` cuts a single-process scale as the rank's is; with the all-reduces every scale is the
+    single process's and the results within 1e-5, without them some scale differs and, tensorwise, the
+    results miss by more than 1e-3."""
+    single, single_scales = run_pair(ParallelGroups.single_process(), name)
+    for run, same_scales in zip(runs, (True, False)):
+        ranks = [[torch.from_numpy(t) for t in result[run][0]] for result in by_rank]
+        errors = [((actual - expected).norm() / expected.norm()).item()
+                  for actual, expected in zip(assemble(ranks), single)]
+        matches = [torch.equal(scale_part(expected, torch.from_numpy(actual), rank), torch.from_numpy(actual))
+                   for rank, result in enumerate(by_rank)
+                   for pair, expected_pair in zip(result[run][1], single_scales)
+                   for actual, expected in zip(pair, expected_pair)]
+        assert len(matches) == 2 * 6 * 2
+        if same_scales:
+            assert all(matches) and max(errors) < 1e-5, (run, matches, errors)
+        else:
+            assert not all(matches), run
+            assert name == "rowwise" or max(errors) > 1e-3, (run, errors)
+
+
+def context_rows(single: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """``single``'s rows of context rank ``rank``'s tokens (of 2) where ``local`` has a row per token (rowwise
+    scales along the tokens, [batch × sequence, 1]); ``single`` itself where their shapes agree."""
+    if single.shape == local.shape:
+        return single
+    groups = ParallelGroups(cp_size=2, cp_rank=rank)
+    return split_for_context(single.reshape(2, -1, single.shape[-1]), 1, groups).reshape(local.shape)
+
+
+@pytest.mark.multirank
+def test_context_parallel_float8_equals_the_single_process_float8(tensor_parallel_pairs):
+    """Two context ranks, each with its two chunks of the tokens (the late ones 4× larger), fp32: output and
+    input gradient (put back in sequence order) and the weight gradients (summed over the ranks, as data ×
+    context reduction sums them) within 1e-5 of the single process's float8 results, and every scale of the
+    six products the single process's (or its rows at this rank's tokens), for both recipes. The control,
+    each rank scaled by the maxima of its own tokens, has other scales, and with tensorwise scales misses by
+    more than 1e-3."""
+    by_rank, names = tensor_parallel_pairs
+    order = natural_order(2, 16)
+
+    def in_sequence_order(ranks):
+        joined = [torch.cat([r[index] for r in ranks], dim=1).index_select(1, order) for index in (0, 1)]
+        return [*joined, sum(r[2] for r in ranks), sum(r[3] for r in ranks)]
+
+    for name in names:
+        assert_single_process_products(by_rank, name, (f"{name} context", f"{name} context per shard"),
+                                       in_sequence_order, context_rows)
 
 
 # --- the model: which layers, switched in place, compiled ---------------------------------------------
@@ -272,7 +327,8 @@ def test_set_fp8_mode_reaches_the_blocks_linears_only_and_switches_back():
 
 def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int, int, bool]:
     """(graphs, graph breaks, compiled == eager bit for bit) of a bf16 ``TransformerBlock`` with float8 linears
-    compiled with the ``aot_eager`` backend (what inductor would receive), on ``groups``' tensor ranks."""
+    compiled with the ``aot_eager`` backend (what inductor would receive), on ``groups``' tensor or context
+    ranks (the ring an opaque operator, the scales' all-reduces functional collectives in the graph)."""
     import torch._dynamo
 
     from lnstrain.model import TransformerBlock, model_preset
@@ -285,6 +341,7 @@ def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int,
     grad = torch.randn(2, 16, 32, generator=generator).to(torch.bfloat16)
     if groups.sequence_parallel:
         x, grad = (t.chunk(groups.tp_size, dim=1)[rank].contiguous() for t in (x, grad))
+    x, grad = (split_for_context(t, 1, groups).contiguous() for t in (x, grad))
 
     def step(fn):
         block.zero_grad(set_to_none=True)
@@ -303,5 +360,6 @@ def compiled_block_against_eager(name: str, groups, rank: int = 0) -> tuple[int,
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_compiled_block_traces_float8_into_one_graph_with_eagers_bits(name):
     """``train.compile`` with float8 linears: dynamo and AOTAutograd trace the whole block without a break
-    and give eager's output and gradients (under tensor and sequence parallelism: the multi-rank test)."""
+    and give eager's output and gradients (under tensor, sequence and context parallelism: the multi-rank
+    test)."""
     assert compiled_block_against_eager(name, ParallelGroups.single_process()) == (1, 0, True)

@@ -13,13 +13,6 @@ from lnstrain.parallel import ring_attention
 from lnstrain.parallel.context import natural_order, split_for_context
 
 
-class _Context(SimpleNamespace):
-    """The ``ctx`` an autograd Function's forward and backward share."""
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        self.saved_tensors = tensors
-
-
 def _mailbox_exchange(size: int) -> type:
     """An ``_Exchange`` whose k-th receive a rank posts gets the k-th message its previous rank sent,
     as point-to-point receives are matched in the order they are posted."""
@@ -58,9 +51,8 @@ def virtual_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.
         try:
             groups = SimpleNamespace(cp_size=size, cp_rank=rank, cp_ranks=tuple(range(size)), cp_group=None)
             local = [split_for_context(t, 2, groups) for t in (q, k, v, grad)]
-            ctx = _Context()
-            out = ring_attention._RingAttention.forward(ctx, *local[:3], groups)
-            results[rank] = [out, *ring_attention._RingAttention.backward(ctx, local[3])[:3]]
+            out, lse = ring_attention.ring_forward(*local[:3], groups)
+            results[rank] = [out, *ring_attention.ring_backward(local[3], *local[:3], out, lse, groups)]
         except BaseException as error:  # re-raised in the caller's thread
             results[rank] = error
 
