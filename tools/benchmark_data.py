@@ -11,7 +11,7 @@
    snappy, as FineWeb's shards) and as an Arrow stream file (what datasets' save_to_disk writes; needs pyarrow).
    For the spawned runs, the main process's CPU time per MB (reading and writing) says how many workers it feeds.
 2. Packed-sample index for --index-tokens tokens in --index-docs documents (one core, vectorised numpy), and the
-   check every rank makes of it when it is read from the cache (``sample_index.packed_index_problem``).
+   check every rank makes of it when it is read from the cache (``index_check.packed_index_problem``).
 3. Batch loader: tokens/s delivered by iterate_micro_batches in one process.
 
 CPU seconds (time.process_time) are reported next to wall time because a shared machine inflates wall time.
@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lnstrain.data import DataConfig, DataSource, Tokenizer, build_train_valid_datasets, iterate_micro_batches  # noqa: E402
 from lnstrain.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from lnstrain.data.sample_index import build_blend_index, build_packed_index, packed_index_problem  # noqa: E402
+from lnstrain.data.index_check import packed_index_problem  # noqa: E402
+from lnstrain.data.sample_index import build_blend_index, build_packed_index  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
