@@ -15,7 +15,9 @@ memory, with as few numpy passes as the invariant allows:
   moved ``seq_len`` tokens on in the same document): only the first row of a run is compared with the
   document stream and only its last row with the document's end, so the work on the stream grows with
   the documents, not the samples;
-* ``shuffle_idx``'s epoch of each sample is a range check per chunk lying in one epoch.
+* ``shuffle_idx``'s epoch of each sample is a range check per chunk lying in one epoch;
+* a blend index is checked against its definition (the ``n`` blended samples of earliest due time, in
+  that order) in linear time, instead of being built again (a sort).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _largest_unsigned(array: np.ndarray) -> int:
     checks both ends of a range that starts at 0."""
     if len(array) == 0:
         return -1
-    return int(array.view(np.uint32 if array.dtype.itemsize == 4 else np.uint64).max())
+    return int(array.view(f"u{array.dtype.itemsize}").max())
 
 
 def epochs_problem(order: np.ndarray, doc_ids: np.ndarray, what: str) -> str | None:
@@ -184,3 +186,44 @@ def truncate_pad_index_problem(index: dict[str, np.ndarray], doc_ids: np.ndarray
         return "no build makes an index of no documents"
     return (_integers(doc_order, "doc_order", (num_samples,))
             or epochs_problem(doc_order, np.asarray(doc_ids), "doc_order"))
+
+
+def blend_index_problem(index: dict[str, np.ndarray], weights: list[float], num_samples: int) -> str | None:
+    """Why ``index`` is not what ``build_blend_index(weights, num_samples)`` makes, or None.
+
+    The build serves, in order of (due time, dataset), the ``num_samples`` samples of earliest due time,
+    sample ``m`` of dataset ``k`` being due at ``(m + 0.5) / w_k``. So an index is that build exactly when
+    (1) its (due time, dataset) pairs rise strictly, (2) each dataset's samples are ``0, 1, ...`` with no
+    gap (with (1) they rise strictly, so their sum is the least possible, ``c (c - 1) / 2`` for ``c`` of
+    them, only when they are ``0 .. c - 1``), and (3) every dataset's next sample is due after the last.
+    The due times are computed with the build's very floating-point operations.
+    """
+    w = np.asarray(weights, np.float64)
+    w = w / w.sum()
+    dataset, sample = index.get("dataset_index"), index.get("dataset_sample_index")
+    for array, name, dtype in ((dataset, "dataset_index", np.int16), (sample, "dataset_sample_index", np.int64)):
+        if not isinstance(array, np.ndarray) or array.dtype != np.dtype(dtype) or array.shape != (num_samples,):
+            return f"{name} is not {num_samples} {np.dtype(dtype).name} integers"
+    if _largest_unsigned(dataset) >= len(w) or _largest_unsigned(sample) >= num_samples:
+        return "it names datasets or samples that do not exist"
+    counts = np.zeros(len(w), np.int64)
+    served_sum = 0
+    last_due, last_dataset = -np.inf, -1
+    for first in range(0, num_samples, _CHUNK):
+        k, m = dataset[first:first + _CHUNK], sample[first:first + _CHUNK]
+        due = (m + 0.5) / w[k]
+        rising = np.empty(len(due), bool)
+        np.greater(due[1:], due[:-1], out=rising[1:])
+        rising[1:] |= (due[1:] == due[:-1]) & (k[1:] > k[:-1])
+        rising[0] = due[0] > last_due or (due[0] == last_due and k[0] > last_dataset)
+        if not rising.all():
+            return "it does not serve samples in order of due time"
+        counts += np.bincount(k, minlength=len(w))
+        served_sum += int(m.sum())
+        last_due, last_dataset = float(due[-1]), int(k[-1])
+    if served_sum != sum(c * (c - 1) // 2 for c in counts.tolist()):
+        return "it skips samples of a dataset"
+    upcoming = (counts + 0.5) / w
+    if np.any((upcoming < last_due) | ((upcoming == last_due) & (np.arange(len(w)) < last_dataset))):
+        return "it leaves out a sample due earlier than one it serves"
+    return None

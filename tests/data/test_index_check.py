@@ -1,14 +1,15 @@
 """The check of a cached sample index against an independent reference that tests every row one by one:
 its shortcuts (runs of rows in one document, chunks lying in one epoch, packed rows) must accept and
-refuse exactly what the row-by-row definition does, at every chunk size and both integer widths."""
+refuse exactly what the row-by-row definition does, at every chunk size and both integer widths. A blend
+index, checked without being built again, must pass exactly when it equals the build."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from lnstrain.data import index_check
-from lnstrain.data.index_check import packed_index_problem, truncate_pad_index_problem
-from lnstrain.data.sample_index import build_packed_index, build_truncate_pad_index
+from lnstrain.data.index_check import blend_index_problem, packed_index_problem, truncate_pad_index_problem
+from lnstrain.data.sample_index import build_blend_index, build_packed_index, build_truncate_pad_index
 
 
 def reference_valid(index: dict, sizes: np.ndarray, doc_ids: np.ndarray, seq_len: int, num_samples: int) -> bool:
@@ -121,3 +122,35 @@ def test_the_truncate_pad_check_wants_one_permutation_of_the_split_per_epoch(mon
                         (order[:-1], "has shape (12,), not (13,)")]:
         problem = truncate_pad_index_problem({"doc_order": edited}, doc_ids, 13)
         assert problem is not None and why in problem, problem
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 18])
+def test_the_blend_check_passes_exactly_the_build(monkeypatch, chunk):
+    monkeypatch.setattr(index_check, "_CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
+    refused = 0
+    for case in range(60):
+        sources = int(rng.integers(1, 6))
+        weights = (rng.integers(1, 4, sources) if case % 3 == 0 else rng.random(sources) + 0.01).tolist()
+        n = int(rng.integers(1, 300))
+        built = build_blend_index(weights, n)
+        assert blend_index_problem(built, weights, n) is None, (weights, n)
+        longer = build_blend_index(weights, n + 1)
+        i, j = rng.integers(0, n, 2)
+        candidates = [{key: longer[key][1:] for key in longer},  # shifted by one: every check but the last passes
+                      {key: built[key].astype(np.int32) for key in built}]
+        for key in built:
+            for change in (lambda a: a.__setitem__([i, j], a[[j, i]]), lambda a: a.__setitem__(i, a[i] + 1),
+                           lambda a: a.__setitem__(i, -1), lambda a: a.__setitem__(i, a[j])):
+                edited = {**built, key: built[key].copy()}
+                change(edited[key])
+                candidates.append(edited)
+        for edited in candidates:
+            same = all(edited[key].dtype == built[key].dtype and np.array_equal(edited[key], built[key]) for key in built)
+            problem = blend_index_problem(edited, weights, n)
+            assert (problem is None) == same, (weights, n, problem)
+            refused += problem is not None
+    assert refused > 400
+    # equal weights: both datasets' first samples are due at once, and the build serves dataset 0 first
+    tie = {"dataset_index": np.array([1], np.int16), "dataset_sample_index": np.array([0], np.int64)}
+    assert "leaves out a sample due earlier" in blend_index_problem(tie, [1.0, 1.0], 1)
