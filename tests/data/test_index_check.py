@@ -146,7 +146,7 @@ def test_the_blend_check_passes_exactly_the_build(monkeypatch, chunk):
                 change(edited[key])
                 candidates.append(edited)
         for edited in candidates:
-            same = all(edited[key].dtype == built[key].dtype and np.array_equal(edited[key], built[key]) for key in built)
+            same = all(edited[k].dtype == built[k].dtype and np.array_equal(edited[k], built[k]) for k in built)
             problem = blend_index_problem(edited, weights, n)
             assert (problem is None) == same, (weights, n, problem)
             refused += problem is not None
