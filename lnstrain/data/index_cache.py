@@ -35,6 +35,13 @@ class CacheWaitTimeout(TimeoutError):
     """The rank that builds the cache did not finish in time."""
 
 
+_UNREADABLE = (OSError, ValueError, EOFError, IndexError, TypeError)
+
+
+def _unreadable(error: Exception) -> str:
+    return f"an array cannot be read ({escaped(str(error))})"
+
+
 _NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
@@ -56,7 +63,8 @@ def map_array(path: str) -> tuple[np.ndarray, tuple[int, int, int, int, int]] | 
         shape, fortran_order, dtype = _NPY_HEADERS[version](handle)
         if dtype.hasobject:
             raise ValueError("an array of Python objects")
-        array = np.memmap(handle, dtype, "r", handle.tell(), shape, "F" if fortran_order else "C")
+        with np.errstate(over="ignore"):  # a made-up shape whose size overflows: ValueError, not also a warning
+            array = np.memmap(handle, dtype, "r", handle.tell(), shape, "F" if fortran_order else "C")
     # a plain ndarray view of the map (indexing an np.memmap subclass is several times slower)
     return array.view(np.ndarray), file_identity(status)
 
@@ -136,8 +144,8 @@ class IndexCache:
                 arrays = {key: array for key, (array, _) in mapped.items()}
                 identity = tuple(sorted((key, found[1]) for key, found in mapped.items()))
                 problem = self._verdict(self.marker(name), identity, lambda: check(arrays))
-            except (OSError, ValueError, EOFError, IndexError, TypeError) as error:  # a header or shape made up
-                problem = f"an array cannot be read ({escaped(str(error))})"
+            except _UNREADABLE as error:  # a header or shape made up
+                problem = _unreadable(error)
             if problem is None:
                 return arrays
         if report:
@@ -148,10 +156,16 @@ class IndexCache:
     def _verdict(self, marker: str, identity: Identity, check: Callable[[], str | None]) -> str | None:
         """``check()`` of the files of ``identity``, made once by this process, or by another of this node
         (``records``) when it may be trusted."""
+        def verdict() -> str | None:
+            try:
+                return check()
+            except _UNREADABLE as error:
+                return _unreadable(error)
+
         if (marker, identity) not in self._verdicts:
             deadline = time.monotonic() + self.timeout_s
-            self._verdicts[(marker, identity)] = (check() if self.records is None
-                                                  else self.records.checked(marker, identity, check, deadline))
+            self._verdicts[(marker, identity)] = (verdict() if self.records is None
+                                                  else self.records.checked(marker, identity, verdict, deadline))
         return self._verdicts[(marker, identity)]
 
     def _save(self, name: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
