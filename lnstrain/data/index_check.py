@@ -6,10 +6,10 @@ and fail for any change that repeats, drops or misplaces a sample: each epoch se
 once, and each sample is the ``seq_len + 1`` tokens at its place in the document stream. (A different
 shuffle of the same samples within each epoch passes: it changes the order, not what is trained on.)
 
-The cost is what every rank pays at every launch, so each array is read once, in chunks of bounded
-memory, with as few numpy passes as the invariant allows:
+The check is what a launch waits for (on every node: ``check_records``), so each array is read once,
+in chunks of bounded memory, with as few numpy passes as the invariant allows:
 
-* a permutation is one scatter into a preallocated bool array and one count per epoch (no sort, no
+* a permutation is one scatter into a preallocated bool array and one count (no sort, no
   ``searchsorted``);
 * ``sample_idx`` is checked per *run* of rows that continue one document (row ``j + 1`` is row ``j``
   moved ``seq_len`` tokens on in the same document): only the first row of a run is compared with the
@@ -121,7 +121,7 @@ def samples_problem(sample_idx: np.ndarray, starts: np.ndarray, seq_len: int) ->
         token = (run_first + first) * seq_len
         if not np.array_equal(starts[documents] + leaders[:, 1], token):
             return f"sample_idx does not start sample j at token j * {seq_len} of the document stream"
-        # the run's last row, (len - first) * seq_len tokens on, still lies before its document's end
+        # each run's last row still lies inside its document (the rows before it follow from the first)
         run_last = np.empty_like(run_first)
         run_last[:-1] = run_first[1:] - 1
         run_last[-1] = len(rows) - 1
