@@ -10,8 +10,9 @@
    throughput, on the demo corpus repeated to --corpus-mb, as .jsonl, as Parquet (row groups of 1,000 rows,
    snappy, as FineWeb's shards) and as an Arrow stream file (what datasets' save_to_disk writes; needs pyarrow).
    For the spawned runs, the main process's CPU time per MB (reading and writing) says how many workers it feeds.
-2. Packed-sample index for --index-tokens tokens in --index-docs documents (one core, vectorised numpy), and the
-   check every rank makes of it when it is read from the cache (``sample_index.packed_index_problem``).
+2. Packed-sample and blend indices for --index-tokens tokens in --index-docs documents (one core, vectorised
+   numpy), and the check of each when read from the cache (``index_check``): by a rank for itself, and with
+   check records (``check_records``) by the first rank of a node and by each of the others.
 3. Batch loader: tokens/s delivered by iterate_micro_batches in one process.
 
 CPU seconds (time.process_time) are reported next to wall time because a shared machine inflates wall time.
@@ -30,9 +31,11 @@ import torch  # noqa: F401  (imported up front so the loader timing does not inc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lnstrain.data import DataConfig, DataSource, Tokenizer, build_train_valid_datasets, iterate_micro_batches  # noqa: E402
+from lnstrain.data import (CheckRecords, DataConfig, DataSource, IndexCache, Tokenizer, build_train_valid_datasets,  # noqa: E402
+                           check_records, iterate_micro_batches)
 from lnstrain.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from lnstrain.data.sample_index import build_blend_index, build_packed_index, packed_index_problem  # noqa: E402
+from lnstrain.data.index_check import blend_index_problem, packed_index_problem  # noqa: E402
+from lnstrain.data.sample_index import build_blend_index, build_packed_index  # noqa: E402
 from lnstrain.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
 from lnstrain.help_formatter import HelpFormatter  # noqa: E402
 
@@ -138,27 +141,58 @@ def _texts(fmt: str, path: str):
         yield from column_texts(batch, ["text"], skips, path, first_row)[0]
 
 
+def _settled(path: str) -> None:
+    """Wait until the files under ``path`` changed long enough ago for a check record to be trusted."""
+    newest = max(os.stat(os.path.join(path, name)).st_ctime for name in os.listdir(path) if name.endswith(".npy"))
+    time.sleep(max(0.0, newest + check_records.SETTLED_S + 0.1 - time.time()))
+
+
+def _cached_check(work: str, name: str, index: dict[str, np.ndarray], check) -> list[tuple[float, float]]:
+    """``index`` written to a cache in ``work``, then read back by three ranks of one node: (wall, CPU)
+    seconds of one that checks it for itself (as every rank did before check records), of the first
+    one sharing records (checks and records), and of the next (trusts the record)."""
+    IndexCache(work, builds=True).get_or_build(name, {}, lambda: index, check)  # writes and compares only
+    _settled(work)
+    times = []
+    for records in (None, CheckRecords.for_this_node(work), CheckRecords.for_this_node(work)):
+        arrays, wall, cpu = _timed(lambda: IndexCache(work, builds=False, records=records).get_or_build(
+            name, {}, lambda: index, check))
+        assert all(np.array_equal(arrays[key], index[key]) for key in index)
+        times.append((wall, cpu))
+    return times
+
+
+def _print_check(times: list[tuple[float, float]]) -> None:
+    (wall, cpu), (wall_first, cpu_first), (wall_next, cpu_next) = times
+    print(f"  {'':14}its check, read from the cache, by each rank:   {cpu:6.2f} CPU-s ({wall:6.2f} s wall)")
+    print(f"  {'':14}with check records: the node's first rank {cpu_first:6.2f} CPU-s ({wall_first:6.2f} s wall), "
+          f"each other rank {cpu_next * 1e3:.1f} CPU-ms ({wall_next * 1e3:.1f} ms wall)")
+
+
 def bench_index(num_docs: int, num_tokens: float, seq_lens: list[int]) -> None:
     rng = np.random.default_rng(0)
     sizes = rng.lognormal(0.0, 1.0, num_docs)
     sizes = np.maximum(1, sizes * (num_tokens / sizes.sum())).astype(np.int32)
     total = int(sizes.sum(dtype=np.int64))
+    documents = np.arange(num_docs)
     print(f"\n[2] packed-sample index: {num_docs:,} documents, {total / 1e9:.2f}B tokens (one core, numpy)")
-    for seq_len in seq_lens:
-        num_samples = (total - 1) // seq_len
-        index, wall, cpu = _timed(lambda: build_packed_index(sizes, np.arange(num_docs), seq_len, num_samples, 1234))
-        mb = sum(a.nbytes for a in index.values()) / 1e6
-        print(f"  seq_len {seq_len:5d}: {num_samples:12,} samples in {cpu:6.2f} CPU-s ({wall:6.2f} s wall), "
-              f"{mb:,.0f} MB of index")
-        problem, wall, cpu = _timed(lambda: packed_index_problem(index, sizes, np.arange(num_docs), seq_len,
-                                                                 num_samples))
-        assert problem is None, problem
-        print(f"  {'':14}its check, when read from the cache: {cpu:6.2f} CPU-s ({wall:6.2f} s wall)")
-        del index
-    num_samples = (total - 1) // seq_lens[0]
-    _, wall, cpu = _timed(lambda: build_blend_index([0.5, 0.3, 0.2], num_samples))
-    print(f"  3-way blend index for {num_samples:,} samples: {cpu:.2f} CPU-s ({wall:.2f} s wall); its check, "
-          "when read from the cache, is a build and a comparison")
+    with tempfile.TemporaryDirectory() as work:
+        for seq_len in seq_lens:
+            num_samples = (total - 1) // seq_len
+            index, wall, cpu = _timed(lambda: build_packed_index(sizes, documents, seq_len, num_samples, 1234))
+            mb = sum(a.nbytes for a in index.values()) / 1e6
+            print(f"  seq_len {seq_len:5d}: {num_samples:12,} samples in {cpu:6.2f} CPU-s ({wall:6.2f} s wall), "
+                  f"{mb:,.0f} MB of index")
+            _print_check(_cached_check(work, f"packed{seq_len}", index, lambda arrays: packed_index_problem(
+                arrays, sizes, documents, seq_len, num_samples)))
+            del index
+        for seq_len in seq_lens:
+            num_samples = (total - 1) // seq_len
+            weights = [0.5, 0.3, 0.2]
+            index, wall, cpu = _timed(lambda: build_blend_index(weights, num_samples))
+            print(f"  3-way blend index for {num_samples:12,} samples: {cpu:6.2f} CPU-s ({wall:6.2f} s wall)")
+            _print_check(_cached_check(work, f"blend{seq_len}", index, lambda arrays: blend_index_problem(
+                arrays, weights, num_samples)))
 
 
 def bench_loader(work: str, prefix: str, tokenizer: str) -> None:

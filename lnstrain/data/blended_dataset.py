@@ -5,6 +5,7 @@ import numpy as np
 
 from .fingerprint import hash_description
 from .index_cache import IndexCache
+from .index_check import blend_index_problem
 from .sample_index import build_blend_index
 
 
@@ -33,11 +34,7 @@ def blend_counts(weights: list[float], num_samples: int, cache: IndexCache, fing
     """The (cached) blend index and how many samples each component must provide."""
     description = {"weights": [float(w) for w in weights], "num_samples": num_samples, "inputs": fingerprints}
     name = f"blend_{split}_{hash_description(description)}"
-    def rebuilt_differs(arrays: dict[str, np.ndarray]) -> str | None:  # a build costs no more than checking one
-        built = build_blend_index(weights, num_samples)
-        same = set(arrays) == set(built) and all(np.array_equal(arrays[key], built[key]) for key in built)
-        return None if same else "it is not the blend its inputs make"
-
-    index = cache.get_or_build(name, description, lambda: build_blend_index(weights, num_samples), rebuilt_differs)
+    index = cache.get_or_build(name, description, lambda: build_blend_index(weights, num_samples),
+                               lambda arrays: blend_index_problem(arrays, weights, num_samples))
     counts = np.bincount(index["dataset_index"], minlength=len(weights))
     return index, [int(c) for c in counts]

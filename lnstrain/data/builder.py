@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .blended_dataset import BlendedDataset, blend_counts
+from .check_records import CheckRecords
 from .config import DataConfig, DataSource
 from .fingerprint import file_fingerprint
 from .index_cache import IndexCache
@@ -110,11 +111,14 @@ def validation_repeats_warning(parts: list[_Part], cfg: DataConfig, valid_sample
 
 
 def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_samples: int, seed: int,
-                               builds_cache: bool) -> tuple[SampleDataset, SampleDataset | None]:
+                               builds_cache: bool, check_records: CheckRecords | None = None,
+                               ) -> tuple[SampleDataset, SampleDataset | None]:
     """Training and validation datasets (validation is None when ``valid_samples == 0`` or nothing is held out).
 
     Call on every rank; ``builds_cache=True`` on exactly one (global rank 0): it builds missing index files
-    (and checks token ids against the tokenizer's vocabulary), the others wait for those files.
+    (and checks token ids against the tokenizer's vocabulary), the others wait for those files. Every rank
+    uses only index files that were checked; with ``check_records`` (``CheckRecords.for_this_node()``) one
+    check per node serves the ranks of that node.
     Each dataset has ``len()`` and ``ds[i] -> {"tokens": int64[seq_len+1], "loss_mask": float32[seq_len]}``.
     """
     problems = cfg.validate()
@@ -122,7 +126,7 @@ def build_train_valid_datasets(cfg: DataConfig, train_samples: int, valid_sample
         raise ValueError("invalid data config:\n  " + "\n  ".join(problems))
     if train_samples <= 0:
         raise ValueError(f"train_samples must be > 0 (got {train_samples})")
-    cache = IndexCache(default_cache_dir(cfg), builds_cache, cfg.cache_wait_timeout_s)
+    cache = IndexCache(default_cache_dir(cfg), builds_cache, cfg.cache_wait_timeout_s, records=check_records)
     pad_id = _pad_id(cfg)
     train_parts, valid_parts = _split_parts(cfg)
     if builds_cache and cfg.tokenizer:

@@ -6,14 +6,17 @@ temporary name (``no_follow``: never through a link planted there) and moved int
 ``os.replace``; the marker (``<name>.json``) is written last.
 
 The cache lies beside the data, where others may write: an entry is used only when ``check`` (the
-invariants of what its build makes, ``sample_index``) passes. One that does not (edited, damaged, or
-unreadable) is named in a warning and rebuilt by the building rank, and waited for by the others.
+invariants of what its build makes, ``index_check``) passes. One that does not (edited, damaged, or
+unreadable) is named in a warning and rebuilt by the building rank, and waited for by the others. A
+process checks the same files (the same identity, ``check_records``) once; with ``records``, the first
+of a node's processes to reach an entry checks it and the others use its verdict.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -23,11 +26,54 @@ import numpy as np
 from lnstrain.no_follow import create_exclusively, read_regular_file, write_text_replacing
 from lnstrain.report_lines import escaped
 
+from .check_records import CheckRecords, Identity, file_identity
+
 logger = logging.getLogger(__name__)
 
 
 class CacheWaitTimeout(TimeoutError):
     """The rank that builds the cache did not finish in time."""
+
+
+_UNREADABLE = (OSError, ValueError, EOFError, IndexError, TypeError)
+
+
+def _unreadable(error: Exception) -> str:
+    return f"an array cannot be read ({escaped(str(error))})"
+
+
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def map_array(path: str) -> tuple[np.ndarray, tuple[int, int, int, int, int]] | None:
+    """A read-only map of the ``.npy`` file ``path`` and the identity of the very file mapped (so a file
+    renamed into its place meanwhile cannot pass for the one checked); None when there is no regular
+    file there. Format errors raise ``ValueError`` (a header made up, a shape the file cannot hold)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO would block)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with os.fdopen(descriptor, "rb") as handle:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            return None
+        version = np.lib.format.read_magic(handle)
+        if version not in _NPY_HEADERS:
+            raise ValueError(f"npy format version {version}, which this cache never writes")
+        shape, fortran_order, dtype = _NPY_HEADERS[version](handle)
+        if dtype.hasobject:
+            raise ValueError("an array of Python objects")
+        with np.errstate(over="ignore"):  # a made-up shape whose size overflows: ValueError, not also a warning
+            array = np.memmap(handle, dtype, "r", handle.tell(), shape, "F" if fortran_order else "C")
+    # a plain ndarray view of the map (indexing an np.memmap subclass is several times slower)
+    return array.view(np.ndarray), file_identity(status)
+
+
+def _difference(arrays: dict[str, np.ndarray], built: dict[str, np.ndarray]) -> str | None:
+    """Why the arrays read back are not the arrays just built, or None."""
+    same = set(arrays) == set(built) and all(
+        arrays[key].dtype == built[key].dtype and np.array_equal(arrays[key], built[key]) for key in built)
+    return None if same else "it does not read back as built"
 
 
 @dataclass
@@ -39,12 +85,17 @@ class IndexCache:
         builds: True on exactly one rank (it builds missing entries); the others wait for them.
         timeout_s: how long a waiting rank waits before failing.
         poll_s: polling interval of waiting ranks.
+        records: where this node's processes share their checks (None: this process checks for itself).
     """
 
     directory: str
     builds: bool
     timeout_s: float = 7200.0
     poll_s: float = 0.5
+    records: CheckRecords | None = None
+
+    def __post_init__(self) -> None:
+        self._verdicts: dict[tuple[str, Identity], str | None] = {}  # the checks this process made
 
     def _paths(self, name: str, keys: list[str]) -> dict[str, str]:
         return {k: os.path.join(self.directory, f"{name}.{k}.npy") for k in keys}
@@ -63,11 +114,11 @@ class IndexCache:
             return self._wait(name, check)
         logger.info("building index %s", self.marker(name))
         t0 = time.perf_counter()
-        arrays = build()
-        self._save(name, description, arrays)
+        built = build()
+        self._save(name, description, built)
         seconds = time.perf_counter() - t0
         logger.log(logging.INFO if seconds >= 1 else logging.DEBUG, "built index %s in %.2fs", self.marker(name), seconds)
-        loaded = self._load(name, check, report=True)
+        loaded = self._load(name, lambda arrays: _difference(arrays, built), report=True)  # no check: built so
         if loaded is None:
             raise OSError(f"the index {self.marker(name)} just built does not read back as built; something else "
                           "writes in data.cache_dir: set it to a folder only this run writes")
@@ -86,20 +137,36 @@ class IndexCache:
         except (OSError, ValueError, KeyError, TypeError) as error:
             problem = f"its marker cannot be read ({escaped(str(error))})"
         else:
-            paths = self._paths(name, keys)
-            if not all(os.path.isfile(p) for p in paths.values()):
-                return None
-            try:  # plain ndarray views of the maps (indexing an np.memmap subclass is several times slower)
-                arrays = {k: np.load(p, mmap_mode="r", allow_pickle=False).view(np.ndarray) for k, p in paths.items()}
-                problem = check(arrays)
-            except (OSError, ValueError, EOFError, IndexError, TypeError) as error:  # a header or shape made up
-                problem = f"an array cannot be read ({escaped(str(error))})"
+            try:
+                mapped = {key: map_array(path) for key, path in self._paths(name, keys).items()}
+                if any(found is None for found in mapped.values()):
+                    return None
+                arrays = {key: array for key, (array, _) in mapped.items()}
+                identity = tuple(sorted((key, found[1]) for key, found in mapped.items()))
+                problem = self._verdict(self.marker(name), identity, lambda: check(arrays))
+            except _UNREADABLE as error:  # a header or shape made up
+                problem = _unreadable(error)
             if problem is None:
                 return arrays
         if report:
             logger.warning("not using the cached index %s: %s; %s", escaped(self.marker(name)), problem,
                            "rebuilding it" if self.builds else "waiting for the building rank to rebuild it")
         return None
+
+    def _verdict(self, marker: str, identity: Identity, check: Callable[[], str | None]) -> str | None:
+        """``check()`` of the files of ``identity``, made once by this process, or by another of this node
+        (``records``) when it may be trusted."""
+        def verdict() -> str | None:
+            try:
+                return check()
+            except _UNREADABLE as error:
+                return _unreadable(error)
+
+        if (marker, identity) not in self._verdicts:
+            deadline = time.monotonic() + self.timeout_s
+            self._verdicts[(marker, identity)] = (verdict() if self.records is None
+                                                  else self.records.checked(marker, identity, verdict, deadline))
+        return self._verdicts[(marker, identity)]
 
     def _save(self, name: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
         try:

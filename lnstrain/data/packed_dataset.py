@@ -13,8 +13,8 @@ import numpy as np
 from .fingerprint import file_fingerprint, hash_description
 from .index_cache import IndexCache
 from .indexed_dataset import IndexedDataset
-from .sample_index import (build_packed_index, build_truncate_pad_index, packed_index_problem,
-                           truncate_pad_index_problem)
+from .index_check import packed_index_problem, truncate_pad_index_problem
+from .sample_index import build_packed_index, build_truncate_pad_index
 
 INDEX_VERSION = 1
 

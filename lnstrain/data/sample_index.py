@@ -11,6 +11,8 @@ that stream (consecutive samples share one token: the last label of one is the f
                       is seen once before any is repeated
 
 Truncate-pad mode: ``doc_order[i]`` is the document of sample ``i`` (a fresh permutation per epoch).
+
+A cached index is checked against these definitions before use (``index_check``).
 """
 from __future__ import annotations
 
@@ -101,91 +103,3 @@ def build_blend_index(weights: list[float], num_samples: int) -> dict[str, np.nd
     order = np.argsort(due, kind="stable")[:num_samples]
     return {"dataset_index": owner[order], "dataset_sample_index": rank[order]}
 
-
-# --- checking a cached index -----------------------------------------------------------------------
-# Whoever can write beside the data can rewrite a cached index (``index_cache``) as they like: repeat one
-# sample everywhere, or point past the end of the token file. These checks hold every index a build
-# above makes, and fail for any change that repeats, drops or misplaces a sample: each epoch serves
-# each of its samples once, each sample is the seq_len + 1 tokens at its place in the document stream.
-# (A different shuffle of the same samples within each epoch would pass: it changes the order, not
-# what is trained on.) Linear in the index's length, in chunks of bounded memory.
-_CHUNK = 1 << 22
-
-
-def _integers(array: np.ndarray, name: str, shape: tuple) -> str | None:
-    if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu":
-        return f"{name} is not an array of integers"
-    if array.shape != shape:
-        return f"{name} has shape {array.shape}, not {shape}"
-    return None
-
-
-def _epochs_problem(order: np.ndarray, doc_ids: np.ndarray, what: str) -> str | None:
-    """``order`` is one permutation of ``doc_ids`` per epoch (the last one cut short)."""
-    doc_ids = np.asarray(doc_ids, np.int64)
-    count = len(doc_ids)
-    if len(order) == 0:
-        return None
-    if int(order.min()) < 0 or int(order.max()) > int(doc_ids.max()):
-        return f"{what} names documents outside the split"
-    slot = np.full(int(doc_ids.max()) + 1, -1, np.int64)
-    slot[doc_ids] = np.arange(count)
-    seen = np.zeros(-(-len(order) // count) * count, bool)
-    for start in range(0, len(order), _CHUNK):
-        positions = slot[order[start:start + _CHUNK]]
-        if (positions < 0).any():
-            return f"{what} names documents outside the split"
-        seen[(np.arange(start, start + len(positions)) // count) * count + positions] = True
-    if np.count_nonzero(seen) != len(order):
-        return f"{what} repeats a document within an epoch"
-    return None
-
-
-def packed_index_problem(index: dict[str, np.ndarray], sizes: np.ndarray, doc_ids: np.ndarray, seq_len: int,
-                         num_samples: int) -> str | None:
-    """Why ``index`` is not a packed index ``build_packed_index`` could have made of these inputs, or None."""
-    doc_ids = np.asarray(doc_ids)
-    tokens_per_epoch = int(sizes[doc_ids].sum(dtype=np.int64)) if len(doc_ids) else 0
-    if tokens_per_epoch == 0 or seq_len <= 0 or num_samples <= 0:
-        return "no build makes an index of these inputs (no tokens or no samples)"
-    num_epochs = (num_samples - 1) * seq_len // tokens_per_epoch + 1
-    total_samples = -(-num_epochs * tokens_per_epoch // seq_len)
-    doc_order, sample_idx, shuffle_idx = (index.get(key) for key in ("doc_order", "sample_idx", "shuffle_idx"))
-    problem = (_integers(doc_order, "doc_order", doc_order.shape[:1] if isinstance(doc_order, np.ndarray) else ())
-               or _integers(sample_idx, "sample_idx", (total_samples + 1, 2))
-               or _integers(shuffle_idx, "shuffle_idx", (num_samples,))
-               or _epochs_problem(doc_order, doc_ids, "doc_order"))
-    if problem:
-        return problem
-    ends = np.cumsum(sizes[doc_order], dtype=np.int64)
-    starts = ends - sizes[doc_order]
-    for first in range(0, total_samples + 1, _CHUNK):
-        rows = sample_idx[first:first + _CHUNK].astype(np.int64)
-        documents, offsets = rows[:, 0], rows[:, 1]
-        if documents.min() < 0 or documents.max() >= len(doc_order):
-            return "sample_idx names positions outside doc_order"
-        if (offsets < 0).any() or (offsets >= sizes[doc_order[documents]]).any():
-            return "sample_idx names a token outside its document"
-        if not np.array_equal(starts[documents] + offsets, np.arange(first, first + len(rows), dtype=np.int64) * seq_len):
-            return f"sample_idx does not start sample j at token j * {seq_len} of the document stream"
-    bounds = -(-np.arange(num_epochs + 1, dtype=np.int64) * tokens_per_epoch // seq_len)
-    seen = np.zeros(total_samples, bool)
-    for first in range(0, num_samples, _CHUNK):
-        served = shuffle_idx[first:first + _CHUNK].astype(np.int64)
-        if served.min() < 0 or served.max() >= total_samples:
-            return "shuffle_idx names samples that do not exist"
-        epochs = np.searchsorted(bounds, served, side="right")
-        if not np.array_equal(epochs, np.searchsorted(bounds, np.arange(first, first + len(served)), side="right")):
-            return "shuffle_idx serves a sample outside its epoch"
-        seen[served] = True
-    if np.count_nonzero(seen) != num_samples:
-        return "shuffle_idx serves a sample more than once"
-    return None
-
-
-def truncate_pad_index_problem(index: dict[str, np.ndarray], doc_ids: np.ndarray, num_samples: int) -> str | None:
-    """Why ``index`` is not an index ``build_truncate_pad_index`` could have made of these inputs, or None."""
-    doc_order = index.get("doc_order")
-    if len(doc_ids) == 0:
-        return "no build makes an index of no documents"
-    return _integers(doc_order, "doc_order", (num_samples,)) or _epochs_problem(doc_order, doc_ids, "doc_order")

@@ -28,7 +28,8 @@ from lnstrain.checkpoint.locations import newest_checkpoint, remove_interrupted_
 from lnstrain.checkpoint.manager import CheckpointManager, TrainingPosition
 from lnstrain.checkpoint.metadata import write_atomically
 from lnstrain.config.run_config import Config
-from lnstrain.data import build_train_valid_datasets, check_token_ids, data_fingerprint, iterate_micro_batches
+from lnstrain.data import (CheckRecords, build_train_valid_datasets, check_token_ids, data_fingerprint,
+                           iterate_micro_batches)
 from lnstrain.estimate.snapshot_memory import background_save_refusal
 from lnstrain.model.build import build_groups
 from lnstrain.parallel.groups import ParallelGroups
@@ -117,7 +118,7 @@ class Trainer:
         self.train_data, self.valid_data = build_train_valid_datasets(
             config.data, self.total_steps * self.global_batch,
             validation_samples(config.train.eval_batches, self.global_batch), config.train.seed,
-            builds_cache=self.rank == 0)
+            builds_cache=self.rank == 0, check_records=CheckRecords.for_this_node())
         check_token_ids([self.train_data, self.valid_data], config.model.vocab_size)
 
         from lnstrain.training.engine import build_engine

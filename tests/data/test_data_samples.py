@@ -206,6 +206,24 @@ def test_waiting_rank_times_out_clearly(tmp_path):
         cache.get_or_build("never", {}, lambda: {"x": np.zeros(1)}, lambda arrays: None)
 
 
+@pytest.mark.parametrize("header", [{"descr": "<i4", "fortran_order": False, "shape": (2**40, 2**40)},
+                                    {"descr": "|O", "fortran_order": False, "shape": (3,)},
+                                    {"descr": "<i4", "fortran_order": False, "shape": (10**6,)}])
+def test_a_made_up_array_header_is_named_and_rebuilt(tmp_path, caplog, header):
+    import io
+
+    def build():
+        return {"x": np.arange(5)}
+
+    IndexCache(str(tmp_path), builds=True).get_or_build("entry", {}, build, lambda arrays: None)
+    made_up = io.BytesIO()
+    np.lib.format.write_array_header_1_0(made_up, header)
+    (tmp_path / "entry.x.npy").write_bytes(made_up.getvalue() + bytes(40))
+    arrays = IndexCache(str(tmp_path), builds=True).get_or_build("entry", {}, build, lambda arrays: None)
+    assert "not using the cached index" in caplog.text and "an array cannot be read" in caplog.text
+    assert arrays["x"].tolist() == list(range(5))
+
+
 def test_check_token_ids(tmp_path, demo_token_docs, megatron_writer, demo_prefix):
     check_token_ids([demo_prefix], 500)
     with pytest.raises(ValueError, match=r"demo_train\.bin holds token id 499, outside .*\[0, 499\)"):
