@@ -14,7 +14,7 @@ from lnstrain.model.config import ModelConfig
 from lnstrain.model.init import init_weights
 from lnstrain.model.mlp import SwiGLUMLP
 from lnstrain.model.norm_schemes import Placement, block_layout
-from lnstrain.model.norms import build_norm
+from lnstrain.model.norms import OutputScale, build_norm
 from lnstrain.parallel.sequence_parallel import sequence_parallel_params
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class TransformerBlock(nn.Module):
         self.groups = groups
         self.layout = block_layout(cfg, layer_number)
         self.checkpoint_activations = False
+        self.sublayer_scale = OutputScale(self.layout.sublayer_output_scale)  # a graph input, as a norm's (norms.py)
 
         norm_scale, gain_init = self.layout.norm_output_scale, self.layout.norm_gain_init
         self.attention_norm = build_norm(cfg, norm_scale, gain_init)
@@ -130,6 +131,6 @@ class TransformerBlock(nn.Module):
             y = output_norm(y)
         if layerscale is not None:
             y = layerscale(y)
-        if layout.sublayer_output_scale != 1.0:
-            y = y * layout.sublayer_output_scale
+        if self.sublayer_scale.applied:
+            y = y * self.sublayer_scale.tensor
         return x + self.dropout(y)

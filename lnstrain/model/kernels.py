@@ -45,11 +45,12 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class _RMSNorm(torch.autograd.Function):
     """y = (x · rstd · gain).to(x.dtype), gain = weight · scale, rstd = (mean(x²) + eps)^-½ in at least
-    fp32: torch's roundings. The constant ``scale`` is applied here, not as an autograd node of its own."""
+    fp32: torch's roundings. The constant ``scale`` (an fp32 0-dim tensor, a scalar operand, or None for
+    1) is applied here, not as an autograd node of its own."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
-        gain = weight * scale if scale != 1.0 else weight
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
+        gain = weight * scale if scale is not None else weight
         x32 = _opmath(x)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, gain, rstd)
@@ -67,7 +68,7 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             rows = grad32.reshape(-1, grad32.shape[-1])
             grad_gain = (rows * normalized.reshape(rows.shape)).sum(0)
-            grad_weight = _cast(grad_gain * ctx.scale if ctx.scale != 1.0 else grad_gain, gain.dtype)
+            grad_weight = _cast(grad_gain * ctx.scale if ctx.scale is not None else grad_gain, gain.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_normalized = grad32 * _opmath(gain)
@@ -76,9 +77,12 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_weight, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """RMS normalisation over the last dimension times ``weight · scale``, keeping x and rstd for backward."""
-    return _RMSNorm.apply(x, weight, eps, float(scale))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """RMS normalisation over the last dimension times ``weight · scale``, keeping x and rstd for backward.
+    ``scale``: None (1), or a float or fp32 0-dim tensor (``norms.OutputScale``: one compiled graph for every value)."""
+    if isinstance(scale, float | int):
+        scale = None if scale == 1.0 else torch.tensor(float(scale), dtype=torch.float32)
+    return _RMSNorm.apply(x, weight, eps, scale)
 
 
 def _swiglu_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

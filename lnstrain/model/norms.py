@@ -5,6 +5,14 @@ O(hidden) op on the weight, nothing per activation (``kernels.rms_norm`` applies
 forward and backward, without an autograd node of its own). `output_scale` is a plain float
 attribute (LNS uses it), never a parameter or buffer.
 
+The forward multiplies by ``OutputScale.tensor``, the same value as an fp32 0-dim tensor on the CPU (a
+scalar operand: the products are bitwise those with the float), not by the float itself: ``torch.compile``
+then sees one graph input whose value it never guards, so the 1/√ℓ of every layer shares one compiled
+graph (with the float, dynamo specialised a layer's graph on its value once another guard, such as a
+switched kernel, had made it recompile: a graph per layer, past dynamo's recompile limit). Whether a
+norm multiplies at all (``OutputScale.applied``) is fixed when it is built with a factor other than 1,
+so a factor switched to 1 later (the LNS benchmark switch) multiplies by 1, exactly, in the same graph.
+
 RMSNorm is one call, the first of: apex's fused kernel (CUDA, apex importable); torch's fused
 kernel (CUDA builds that have ``_fused_rms_norm_backward``); else ``kernels.rms_norm``, which keeps
 only the input and the fp32 reciprocal RMS for backward where torch's unfused ``F.rms_norm`` keeps
@@ -41,21 +49,55 @@ def _has_kernel(op: str, dispatch_key: str) -> bool:
 TORCH_FUSED_RMS_NORM_ON_CUDA = _has_kernel("aten::_fused_rms_norm_backward", "CUDA")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0, gain_init: float = 1.0) -> None:
+class OutputScale:
+    """A norm's constant output multiplier: the float, and the same value as an fp32 0-dim CPU tensor that
+    the forward multiplies by (module docstring). Not a buffer: nothing moves, casts or saves it."""
+
+    def __init__(self, value: float) -> None:
+        self.applied = float(value) != 1.0
+        self.set(value)
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+        self.tensor = torch.tensor(self.value, dtype=torch.float32)
+
+
+class _ScaledNorm(nn.Module):
+    """What RMSNorm and LayerNorm share: the gain, its initial value and the output multiplier."""
+
+    def __init__(self, size: int, eps: float, output_scale: float, gain_init: float) -> None:
         super().__init__()
         self.eps = eps
-        self.output_scale = float(output_scale)
+        self.scale = OutputScale(output_scale)
         self.gain_init = float(gain_init)
         self.weight = nn.Parameter(torch.full((size,), self.gain_init))
+
+    @property
+    def output_scale(self) -> float:
+        return self.scale.value
+
+    @output_scale.setter
+    def output_scale(self, value: float) -> None:
+        self.scale.set(value)
+
+    def _scaled(self, parameter: torch.Tensor) -> torch.Tensor:
+        return parameter * self.scale.tensor if self.scale.applied else parameter
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
+
+
+class RMSNorm(_ScaledNorm):
+    def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0, gain_init: float = 1.0) -> None:
+        super().__init__(size, eps, output_scale, gain_init)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         fused_on_cuda = x.is_cuda and (fused_rms_norm_affine is not None or (
             TORCH_FUSED_RMS_NORM_ON_CUDA and weight.dtype == x.dtype))  # else torch falls back unfused
-        if not fused_on_cuda:
-            return rms_norm(x, weight, self.eps, self.output_scale)  # the factor inside the function
-        gain = weight * self.output_scale if self.output_scale != 1.0 else weight
+        if not fused_on_cuda:  # the factor inside the function
+            return rms_norm(x, weight, self.eps, self.scale.tensor if self.scale.applied else None)
+        gain = self._scaled(weight)
         if fused_rms_norm_affine is not None:
             return fused_rms_norm_affine(x, gain, weight.shape, self.eps)
         return F.rms_norm(x, weight.shape, gain, self.eps)
@@ -63,33 +105,21 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.constant_(self.weight, self.gain_init)
 
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
 
-
-class LayerNorm(nn.Module):
+class LayerNorm(_ScaledNorm):
     def __init__(self, size: int, eps: float = 1e-5, output_scale: float = 1.0, gain_init: float = 1.0) -> None:
-        super().__init__()
-        self.eps = eps
-        self.output_scale = float(output_scale)
-        self.gain_init = float(gain_init)
-        self.weight = nn.Parameter(torch.full((size,), self.gain_init))
+        super().__init__(size, eps, output_scale, gain_init)
         self.bias = nn.Parameter(torch.zeros(size))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         bias = self.bias if bias is None else bias
-        if self.output_scale != 1.0:
-            weight, bias = weight * self.output_scale, bias * self.output_scale
-        return F.layer_norm(x, weight.shape, weight, bias, self.eps)
+        return F.layer_norm(x, weight.shape, self._scaled(weight), self._scaled(bias), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.constant_(self.weight, self.gain_init)
         nn.init.zeros_(self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, output_scale={self.output_scale:.6g}"
 
 
 def build_norm(cfg: ModelConfig, output_scale: float = 1.0, gain_init: float = 1.0) -> RMSNorm | LayerNorm:

@@ -132,3 +132,37 @@ def test_compiled_blocks_run_the_kernels_inside_their_graphs(monkeypatch):
     assert rotary.kernel_usable(torch.device("cpu"), torch.bfloat16)
     _compare_compiled_with_eager("lns", torch.bfloat16, {"rotary": True, "swiglu": True})
     assert calls["rotary"] > 0 and calls["swiglu"] > 0
+
+
+def test_every_lns_layer_shares_one_compiled_graph_also_after_a_switch():
+    """LNS's 1/√ℓ reaches compiled layers as a tensor input (``norms.OutputScale``), so layers 2..L share
+    one graph and layer 1 (factor 1) another, before and after a kernel switch makes dynamo recompile:
+    with the float, every layer got a graph of its own after the switch, past dynamo's recompile limit
+    (the H100 call of 2026-11-28). The LNS factor switched to 1 and back needs no graph of its own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = model_preset("tiny", norm_scheme="lns", num_heads=4, num_kv_heads=2, num_layers=12)
+    model = Transformer(cfg, ParallelGroups.single_process()).to(torch.bfloat16)
+    blocks = [block for block in model.modules() if isinstance(block, TransformerBlock)]
+    for block in blocks:
+        block.compile(backend="aot_eager")
+    tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def graphs_after_a_step() -> int:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        return counters["stats"]["unique_graphs"]
+
+    assert graphs_after_a_step() == 2
+    for kernel in TRITON_KERNELS:
+        set_triton_kernel(model, kernel, False)
+    assert graphs_after_a_step() == 4
+    factors = [(norm, norm.output_scale) for block in blocks for norm in (block.attention_norm, block.mlp_norm)]
+    for norm, _ in factors:
+        norm.output_scale = 1.0
+    assert graphs_after_a_step() == 4
+    for norm, factor in factors:
+        norm.output_scale = factor
+    assert graphs_after_a_step() == 4
+    torch._dynamo.reset()
