@@ -262,7 +262,7 @@ def lns_rows(doc: dict[str, Any]) -> list[Row]:
 def switch_rows(doc: dict[str, Any]) -> list[Row]:
     """What each change is worth: step time with it left out / as built (above 1: the change saves time)."""
     rows = []
-    for name in ("1b_eager", "1b_compiled"):
+    for name in ("1b_eager", "1b_compiled", "1b_compiled_kernels_off"):
         report = _report(doc, name)
         off_by_runner = ((report or {}).get("switches") or {}).get("off_by_runner") or {}
         for comparison in (report or {}).get("comparisons", []):
@@ -270,7 +270,8 @@ def switch_rows(doc: dict[str, Any]) -> list[Row]:
             if not off or off == ["lns_factor"]:  # LNS's factor is row (e)
                 continue
             low, high = comparison["ci95"]
-            rows.append(Row(f"worth of {' + '.join(off)} ({name.removeprefix('1b_')}): step time without / with",
+            setting = "compiled" if name.startswith("1b_compiled") else name.removeprefix("1b_")
+            rows.append(Row(f"worth of {' + '.join(off)} ({setting}): step time without / with",
                             f"{comparison['median_ratio']:.4f} (95% CI {low:.4f}-{high:.4f}, {comparison['pairs']} pairs)",
                             "> 1 (the change saves time)", "info", name))
     eager, compiled = _report(doc, "1b_eager"), _report(doc, "1b_compiled")

@@ -33,11 +33,17 @@ def test_the_first_call_runs_the_decisive_items_first_in_the_issues_order():
     assert set(parse_switch_sets(eager[eager.index("--switches") + 1])) == {
         ("lns_factor",), ("rotary_kernel",), ("swiglu_kernel",), ("fused_accumulation",)}
     compiled_sets = parse_switch_sets(compiled[compiled.index("--switches") + 1])
-    assert ("rotary_kernel", "swiglu_kernel") in compiled_sets and ("chunked_loss",) in compiled_sets
+    assert ("chunked_loss",) in compiled_sets and ("fused_accumulation",) in compiled_sets
+    # leaving the kernels out recompiles every layer: its own item, in call 2, against inductor's fusion
+    assert not any("rotary_kernel" in off for off in compiled_sets)
+    kernels_off = ITEMS["1b_compiled_kernels_off"]
+    assert kernels_off.call == 2 and ("rotary_kernel", "swiglu_kernel") in parse_switch_sets(
+        kernels_off.args[kernels_off.args.index("--switches") + 1])
     fp8 = ITEMS["1b_fp8_compiled"].args
     assert "precision.fp8=tensorwise" in fp8 and "train.compile=true" in fp8 and "--switches" not in fp8
     second = [item.name for item in call_items(2)]  # item 5's layout and the ratio already met lead the second call
-    assert second[:2] == ["1b_micro_batch_8", "1b_vs_hf_model"]
+    assert second[:3] == ["1b_compiled_kernels_off", "1b_micro_batch_8", "1b_vs_hf_model"]
+    assert "1b_lns_vs_pre_ln" in second
     assert "train.micro_batch_size=8" in ITEMS["1b_micro_batch_8"].args
     assert ITEMS["1b_vs_hf_model"].seconds < 55  # met in the first call: shortened
     assert {"full_tests", "7b_width_2_layers", "7b_width_4_layers"} <= {item.name for item in PLAN if item.call > 1}
