@@ -9,9 +9,9 @@ The forward multiplies by ``OutputScale.tensor``, the same value as an fp32 0-di
 scalar operand: the products are bitwise those with the float), not by the float itself: ``torch.compile``
 then sees one graph input whose value it never guards, so the 1/√ℓ of every layer shares one compiled
 graph (with the float, dynamo specialised a layer's graph on its value once another guard, such as a
-switched kernel, had made it recompile: a graph per layer, past dynamo's recompile limit). Whether a
-norm multiplies at all (``OutputScale.applied``) is fixed when it is built with a factor other than 1,
-so a factor switched to 1 later (the LNS benchmark switch) multiplies by 1, exactly, in the same graph.
+switched kernel, had made it recompile: a graph per layer, past dynamo's recompile limit). A factor of
+exactly 1 multiplies nothing (``OutputScale.applied``), as a Pre-LN norm: compiled layers have one graph
+for scaled norms and one for unscaled ones (LNS's layer 1, or a factor switched to 1 by a benchmark).
 
 RMSNorm is one call, the first of: apex's fused kernel (CUDA, apex importable); torch's fused
 kernel (CUDA builds that have ``_fused_rms_norm_backward``); else ``kernels.rms_norm``, which keeps
@@ -54,11 +54,11 @@ class OutputScale:
     the forward multiplies by (module docstring). Not a buffer: nothing moves, casts or saves it."""
 
     def __init__(self, value: float) -> None:
-        self.applied = float(value) != 1.0
         self.set(value)
 
     def set(self, value: float) -> None:
         self.value = float(value)
+        self.applied = self.value != 1.0
         self.tensor = torch.tensor(self.value, dtype=torch.float32)
 
 

@@ -138,7 +138,7 @@ def test_every_lns_layer_shares_one_compiled_graph_also_after_a_switch():
     """LNS's 1/√ℓ reaches compiled layers as a tensor input (``norms.OutputScale``), so layers 2..L share
     one graph and layer 1 (factor 1) another, before and after a kernel switch makes dynamo recompile:
     with the float, every layer got a graph of its own after the switch, past dynamo's recompile limit
-    (the H100 call of 2026-11-28). The LNS factor switched to 1 and back needs no graph of its own."""
+    (the H100 call of 2026-11-28). The LNS factor switched to 1 (Pre-LN's norms) takes layer 1's graph."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
