@@ -58,13 +58,15 @@ def trace_activations(config: Config) -> ActivationTrace:
         blocks[0].register_forward_pre_hook(lambda _module, _args: after_layer.append(tracker.live))
         for block in blocks:
             block.register_forward_hook(lambda _module, _args, _output: after_layer.append(tracker.live))
-        weights = tracker.live
+        baseline = tracker.live  # the weights, and the norms' 0-dim fp32 output factors (not weights)
+        weights = sum(tensor.numel() * tensor.element_size()
+                      for tensor in (*model.parameters(), *model.buffers()))
         tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.data.seq_len))
         tracker.reset_peak()
         loss = model.loss(tokens, tokens)
-        kept, forward_peak = tracker.live - weights, tracker.peak - weights
+        kept, forward_peak = tracker.live - baseline, tracker.peak - baseline
         boundaries = after_layer[:len(blocks) + 1]  # recomputation in backward calls the hooks again
         loss.backward()
     kept_per_layer = [later - earlier for earlier, later in zip(boundaries, boundaries[1:])]
     return ActivationTrace(weights=weights, kept_per_layer=kept_per_layer, kept_after_forward=kept,
-                           forward_peak=forward_peak, peak=tracker.peak - weights)
+                           forward_peak=forward_peak, peak=tracker.peak - baseline)
