@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from lnstrain.model import Transformer, kernels, model_preset, rotary
 from lnstrain.model.block import TransformerBlock
-from lnstrain.model.build import TRITON_KERNELS, select_triton_kernels, set_triton_kernel
+from lnstrain.model.build import TRITON_KERNELS, select_triton_kernels, set_fp8_mode, set_triton_kernel
 from lnstrain.model.triton_common import triton
 from lnstrain.parallel.groups import ParallelGroups
 
@@ -134,17 +134,20 @@ def test_compiled_blocks_run_the_kernels_inside_their_graphs(monkeypatch):
     assert calls["rotary"] > 0 and calls["swiglu"] > 0
 
 
-def test_every_lns_layer_shares_one_compiled_graph_also_after_a_switch():
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_every_lns_layer_shares_one_compiled_graph_also_after_a_switch(fp8):
     """LNS's 1/√ℓ reaches compiled layers as a tensor input (``norms.OutputScale``), so layers 2..L share
     one graph and layer 1 (factor 1) another, before and after a kernel switch makes dynamo recompile:
     with the float, every layer got a graph of its own after the switch, past dynamo's recompile limit
-    (the H100 call of 2026-11-28). The LNS factor switched to 1 (Pre-LN's norms) takes layer 1's graph."""
+    (the H100 call of 2026-11-28). The LNS factor switched to 1 (Pre-LN's norms) takes layer 1's graph.
+    The same with float8 linears: their recipe is one object shared by every layer."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     cfg = model_preset("tiny", norm_scheme="lns", num_heads=4, num_kv_heads=2, num_layers=12)
     model = Transformer(cfg, ParallelGroups.single_process()).to(torch.bfloat16)
+    set_fp8_mode(model, fp8, "cpu")  # the FP8 item of the GPU plan compiles this way
     blocks = [block for block in model.modules() if isinstance(block, TransformerBlock)]
     for block in blocks:
         block.compile(backend="aot_eager")
