@@ -59,7 +59,7 @@ from lnstrain.benchmark.runners import (SWITCHED_SCHEMES, EngineRunner, ModelRun
                                         synthetic_micro_batches, with_norm_scheme)
 from lnstrain.benchmark.switches import SWITCHES, parse_switch_sets, unknown_switches  # noqa: E402
 from lnstrain.benchmark.throughput import throughput  # noqa: E402
-from lnstrain.benchmark.timing import paired_ratio, summarize  # noqa: E402
+from lnstrain.benchmark.timing import interleaved_order, paired_ratio, summarize  # noqa: E402
 from lnstrain.config.feasibility import compiles_layers  # noqa: E402
 from lnstrain.config.loader import ConfigError, add_override_argument  # noqa: E402
 from lnstrain.config.run_config import Config, load_config  # noqa: E402
@@ -221,7 +221,7 @@ MIN_TIMED_STEPS = 3
 
 def time_interleaved(runners: list[StepRunner], steps: int, deadline: float | None = None) -> dict[str, list]:
     """Per-runner wall and process-CPU seconds per step, phase splits and last loss; the runners
-    alternate order every step. CPU seconds (all threads of this process) do not count time spent
+    take their steps in a balanced order (``timing.interleaved_order``). CPU seconds (all threads of this process) do not count time spent
     waiting for a core, so on a shared CPU they compare runners when wall time cannot. With a
     ``deadline`` (``time.monotonic()``), no round starts that the previous round's length says would
     end past it, once ``MIN_TIMED_STEPS`` rounds are done (every rank decides alike: the slowest rank's
@@ -235,8 +235,8 @@ def time_interleaved(runners: list[StepRunner], steps: int, deadline: float | No
         if deadline is not None and step >= MIN_TIMED_STEPS and _past(time.monotonic() + last_round, deadline):
             break
         round_start = time.monotonic()
-        order = list(enumerate(runners))
-        for index, runner in (order if step % 2 == 0 else reversed(order)):
+        for index in interleaved_order(len(runners), step):
+            runner = runners[index]
             start, start_cpu = time.perf_counter(), time.process_time()
             losses[index] = runner.step()
             wall[index].append(time.perf_counter() - start)
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         "flops": flops_section(flops),
         "peak": peak_section(peak, config.precision.fp8),
         "protocol": {"warmup_steps": args.warmup, "timed_steps": timed_steps, "requested_steps": args.steps,
-                     "order": "interleaved, alternating",
+                     "order": "interleaved, Williams design",
                      "data": "fixed synthetic batch", "step_time": "slowest rank per step"},
         "runners": results,
         "comparisons": comparisons,

@@ -1,8 +1,12 @@
 """Step times: summaries and paired comparisons of interleaved runs.
 
-Runners are timed step by step in an interleaved order (A B, B A, A B, ...), so a slow patch on a
-shared machine hits every runner alike. Two runners are then compared through the ratio of the
-steps taken next to each other: the median of those ratios and a bootstrap 95% interval for it.
+Runners are timed step by step in an interleaved order, so a slow patch on a shared machine hits
+every runner alike. The rounds follow a Williams design (``interleaved_order``): over a full cycle
+every runner takes every position in a round, and follows every other runner, equally often (two
+runners: A B, B A). With the earlier alternation (A B C D E, E D C B A) the first and last runners
+each ran twice in a row and the others never did, so whatever one step leaves the next (caches, the
+allocator's free blocks) favoured two of them. Two runners are then compared through the ratio of
+the steps taken in the same round: the median of those ratios and a bootstrap 95% interval for it.
 A difference is resolved when the interval excludes 1; "within 1%" needs an interval inside
 [0.99, 1.01].
 """
@@ -13,6 +17,28 @@ import statistics
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+
+def interleaved_order(runners: int, round_index: int) -> list[int]:
+    """The runners' order in round ``round_index``: row ``round_index`` (cyclically) of a Williams
+    design, whose rows are 0, 1, n-1, 2, n-2, ... shifted by the row number (for odd n, also each of
+    those reversed): n rows for even n, 2n for odd n, in which each runner holds each position and
+    directly follows each other runner equally often. The rows are ordered so that a round does not
+    start with the runner that ended the previous one (with two runners that cannot be avoided)."""
+    if runners < 1:
+        raise ValueError(f"interleaved_order needs at least one runner, got {runners}")
+    base = [0]
+    for offset in range(1, runners):
+        base.append((offset + 1) // 2 if offset % 2 else runners - offset // 2)
+    rows = [[(position + shift) % runners for position in base] for shift in range(runners)]
+    if runners % 2:
+        rows += [row[::-1] for row in rows]
+    ordered = [rows.pop(0)]
+    while rows:  # no runner twice in a row across rounds either, where the rows allow it
+        following = next((row for row in rows if row[0] != ordered[-1][-1]), rows[0])
+        rows.remove(following)
+        ordered.append(following)
+    return ordered[round_index % len(ordered)]
 
 
 @dataclass(frozen=True)
