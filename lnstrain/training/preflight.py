@@ -255,7 +255,9 @@ def file_problems(config: Config) -> list[str]:
 def downstream_problems(config: Config, rank: int) -> list[str]:
     """``train.eval_tasks`` can be evaluated: checkpoints at those steps and at the end, a model with a
     Hugging Face LLaMA form, and (global rank 0, which evaluates; indexing lm-eval's tasks takes seconds)
-    lm-eval installed and every task name known to it."""
+    lm-eval installed, every task name known to it and every task's data loadable. Where the Hub does
+    not answer, rank 0 stays offline (``stay_offline_unless_the_hub_answers``): a task whose data is not
+    cached is refused here in one line, not retried and logged with a traceback at every evaluation."""
     train = config.train
     if not train.eval_tasks:
         return []
@@ -271,10 +273,14 @@ def downstream_problems(config: Config, rank: int) -> list[str]:
     problems += [f"train.eval_tasks go through the Hugging Face export, which refuses this model: {problem}"
                  for problem in export_problems(config.model)]
     if rank == 0 and not problems:
-        from lnstrain.evaluation.downstream import DownstreamTasks, task_problems
+        from lnstrain.evaluation.downstream import (DownstreamTasks, stay_offline_unless_the_hub_answers,
+                                                    task_data_problems, task_problems)
 
-        problems += task_problems(DownstreamTasks(list(train.eval_tasks), list(train.eval_tasks_include_path)),
-                                  key="train.eval_tasks")
+        offline = stay_offline_unless_the_hub_answers()
+        tasks = DownstreamTasks(list(train.eval_tasks), list(train.eval_tasks_include_path))
+        problems += task_problems(tasks, key="train.eval_tasks")
+        if not problems:
+            problems += task_data_problems(tasks, offline, key="train.eval_tasks")
     return problems
 
 

@@ -4,6 +4,7 @@ subprocesses, as users run it; the checks themselves in process)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -356,3 +357,21 @@ def test_downstream_tasks_and_wandb_that_cannot_run_are_problems(monkeypatch, tm
     assert preflight.wandb_problems(config.logging.wandb) == [
         "logging.wandb.mode is offline but wandb is not installed: pip install wandb (or pip install "
         "'lnstrain[wandb]'), or set logging.wandb.mode: disabled"]
+
+
+@pytest.mark.slow
+def test_a_downstream_task_whose_data_cannot_be_had_offline_is_refused_at_launch(tiny_corpus, tmp_path):
+    """Where the Hub does not answer, rank 0 stays offline and loads each task's data before training: a
+    task whose data is not cached is one problem line at launch, not lm-eval's retries and a traceback
+    at every evaluation, and nothing is created."""
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed (pip install -e '.[test]')")
+    env = {k: v for k, v in launcher_env().items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env |= {"HF_HOME": str(tmp_path / "hf_home"), "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on port 9
+    runs = tmp_path / "runs"
+    command = launcher_command(tiny_run_overrides(tiny_corpus, runs) + ["train.eval_tasks=[arc_easy]"])
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240)
+    [problem] = assert_refused(done.returncode, done.stdout, done.stderr, 1)
+    assert problem.startswith("train.eval_tasks: the data of arc_easy cannot be loaded ("), problem
+    assert "127.0.0.1 cannot be reached from here (" in problem and "so only the datasets cache" in problem
+    assert "Retrying" not in done.stdout + done.stderr and not runs.exists()
