@@ -29,6 +29,7 @@ def train(rank: int, world_size: int, overrides: list[str]) -> str:
     return str(config.run.dir)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_and_its_fp32_export_agree(tiny_corpus, tmp_path):
     run_dir = run_distributed(train, 1, tiny_run_overrides(tiny_corpus, tmp_path) + RUN)[0]
     assert load_tool("convert_to_hf").main(["--checkpoint", run_dir, "--output", str(tmp_path / "hf"),

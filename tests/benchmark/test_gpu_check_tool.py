@@ -102,6 +102,7 @@ def test_an_item_killed_after_writing_its_whole_report_is_measured(tmp_path):
     assert f"Items done, with a remark:\n- 1b_compiled: {item['note']}" in markdown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("written", ["nothing", "half a report", "a report without its runners"])
 def test_an_item_killed_without_a_whole_report_stays_failed(tmp_path, written):
     text = json.dumps(whole_report(mfu=0.443))

@@ -99,6 +99,7 @@ print("RESULT", repr(result))
 """
 
 
+@pytest.mark.slow
 def test_the_loss_and_fp8_switches_compute_what_an_engine_built_without_them_computes():
     """An engine built with ``precision.fp8: tensorwise`` and the chunked loss, stepped with FP8 switched off,
     gives a bf16 engine's losses bit for bit; with the chunked loss switched off, an fp32-logits engine's; both
@@ -120,6 +121,7 @@ def _result_of(script: str) -> dict:
     return ast.literal_eval(done.stdout.split("RESULT", 1)[1].strip())
 
 
+@pytest.mark.slow
 def test_each_switch_turns_its_change_off_and_back_on_and_computes_what_the_engine_would():
     steps = _result_of(SCRIPT)
     default = steps["default"]
@@ -135,6 +137,7 @@ def test_each_switch_turns_its_change_off_and_back_on_and_computes_what_the_engi
     assert steps["pre_ln runner"] == steps["pre_ln engine"]  # LNS's factor off: a Pre-LN engine, bit for bit
 
 
+@pytest.mark.slow
 def test_the_report_times_each_change_on_one_engine_and_keeps_the_profile_first(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -170,6 +173,7 @@ load_tool("benchmark").main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_the_profile_is_on_disk_when_a_later_runner_fails(tmp_path):
     """A switch that fails when the second runner turns it off ends the benchmark; the first runner's profile,
     taken before, is kept."""

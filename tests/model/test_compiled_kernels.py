@@ -134,7 +134,7 @@ def test_compiled_blocks_run_the_kernels_inside_their_graphs(monkeypatch):
     assert calls["rotary"] > 0 and calls["swiglu"] > 0
 
 
-@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+@pytest.mark.parametrize("fp8", ["none", pytest.param("tensorwise", marks=pytest.mark.slow)])
 def test_every_lns_layer_shares_one_compiled_graph_also_after_a_switch(fp8):
     """LNS's 1/√ℓ reaches compiled layers as a tensor input (``norms.OutputScale``), so layers 2..L share
     one graph and layer 1 (factor 1) another, before and after a kernel switch makes dynamo recompile:

@@ -26,6 +26,7 @@ SHARE = ["tests/model/test_swiglu_kernel.py", "tests/training/test_accumulation_
          "tests/model/test_rotary_kernel.py", "-k", "not test_kernel_is_bitwise_the_eager_rotation or (fp16 and 2-1-64)"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(triton is None, reason="needs Triton (pip install 'lnstrain[test]' on Linux x86_64)")
 def test_the_kernels_agree_with_torch_in_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

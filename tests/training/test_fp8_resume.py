@@ -49,6 +49,7 @@ def _switch_and_resume(rank: int, world_size: int, root: Path, modes: list[tuple
     return results
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_with_or_without_fp8_as_an_uninterrupted_switch(tmp_path):
     [results] = run_distributed(_switch_and_resume, 1, tmp_path, MODES, timeout_s=300)
     for modes, result in results.items():
