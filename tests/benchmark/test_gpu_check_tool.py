@@ -89,6 +89,30 @@ def run_stalled_item(tmp_path: Path, report_text: str | None) -> tuple[dict, dic
     return doc["items"]["1b_compiled"], doc
 
 
+@pytest.mark.parametrize("left_share, started", [(0.86, {"1b_compiled"}), (0.84, set())])
+def test_a_benchmark_starts_with_85_percent_of_its_seconds_left_and_the_tests_need_all_theirs(tmp_path, left_share,
+                                                                                             started):
+    """On 2026-11-28 an earlier item's overrun of 6 s kept the last item from starting: a benchmark now
+    starts with 85 % of its seconds left (it times fewer steps); a pytest item cut short loses its results."""
+    tool = load_tool("gpu_check")
+    ran: set[str] = set()
+    check = tool.Check(tmp_path / "out", dry_run=False, deadline=time.time() + 3600, calls=[1])
+    check.run_benchmark = lambda item, record: ran.add(item.name)
+    check.run_tests = lambda item, record: ran.add(item.name)
+    try:
+        for name in ("1b_compiled", "core_tests"):
+            item = ITEMS[name]
+            check.deadline = time.time() + item.seconds * left_share
+            check.run_item(item, time.time())
+    finally:
+        check.log.close()
+        shutil.rmtree(check.scratch, ignore_errors=True)
+    assert ran == started
+    assert ITEMS["1b_compiled"].least_seconds == 128 and ITEMS["core_tests"].least_seconds == ITEMS["core_tests"].seconds
+    note = check.doc["items"]["core_tests"]["note"]
+    assert note.startswith(f"{ITEMS['core_tests'].seconds} s needed, ") and "--only core_tests" in note
+
+
 def test_an_item_killed_after_writing_its_whole_report_is_measured(tmp_path):
     item, doc = run_stalled_item(tmp_path, json.dumps(whole_report(mfu=0.443)))
     assert item["exit_code"] == 124 and item["status"] == "done"
