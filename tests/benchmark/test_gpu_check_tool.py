@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def test_a_report_is_whole_with_every_field_and_every_runners_fields():
 def test_dry_run_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     # The time limit is the subprocess's, not the default 540 s: a loaded machine must not leave items unstarted.
-    env = {**os.environ, "LNSTRAIN_WHEEL_INSTALL": "installed", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "LNSTRAIN_WHEEL_INSTALL": "installed", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
     completed = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--output", str(out), "--time-limit-s", "880"],
                                cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
