@@ -220,9 +220,9 @@ MIN_TIMED_STEPS = 3
 
 
 def time_interleaved(runners: list[StepRunner], steps: int, deadline: float | None = None) -> dict[str, list]:
-    """Per-runner wall and process-CPU seconds per step, phase splits and last loss; the runners
-    take their steps in a balanced order (``timing.interleaved_order``). CPU seconds (all threads of this process) do not count time spent
-    waiting for a core, so on a shared CPU they compare runners when wall time cannot. With a
+    """Per-runner wall and process-CPU seconds per step, phase splits and last loss; the runners take
+    their steps in a balanced order (``timing.interleaved_order``). CPU seconds (all threads of this
+    process) do not count time spent waiting for a core, so on a shared CPU they compare runners when wall time cannot. With a
     ``deadline`` (``time.monotonic()``), no round starts that the previous round's length says would
     end past it, once ``MIN_TIMED_STEPS`` rounds are done (every rank decides alike: the slowest rank's
     round length is what each sees, since the ranks wait for each other in every step)."""

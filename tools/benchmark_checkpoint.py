@@ -224,14 +224,17 @@ def forged_marker_checks(step_dir: Path, trust) -> tuple[tuple[float, float], tu
 
 
 def legacy_copies(pickles: list[Path], directory: Path) -> list[Path]:
-    """``pickles`` re-saved in torch's legacy (non-zip) format under ``directory``."""
+    """``pickles`` re-saved in torch's legacy (non-zip) format under ``directory`` (read as the trainer reads
+    them, ``weights_only`` with DeepSpeed's records)."""
     import torch
+
+    from lnstrain.checkpoint.safe_load import load_deepspeed_file
 
     directory.mkdir(parents=True, exist_ok=True)
     copies = []
     for number, path in enumerate(pickles):
         copy = directory / f"{number}.pt"
-        torch.save(torch.load(path, map_location="cpu", weights_only=False), copy, _use_new_zipfile_serialization=False)
+        torch.save(load_deepspeed_file(path), copy, _use_new_zipfile_serialization=False)
         copies.append(copy)
     return copies
 

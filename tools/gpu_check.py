@@ -13,9 +13,9 @@ Every item is a subprocess (a crash or an out-of-memory loses that item only) st
 the items share one inductor and Triton cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR: --cache-dir, by
 default .gpu_check_cache/ in the repository, which stays on a warm device machine between calls), so a
 graph or kernel compiled by one item is not compiled again by the next, nor by the next call;
-an item starts only if its seconds fit in what is left of the call (a benchmark's: 85 % of them, its
-timed steps then fewer; gpu_plan.BENCHMARK_START_SHARE) (--time-limit-s, counted from
---started-at, which launch/gpu_check.sh sets before it installs the wheels). A benchmark item's figures
+an item starts only if its seconds fit in what is left of the call (--time-limit-s, counted from
+--started-at, which launch/gpu_check.sh sets before it installs the wheels); a benchmark needs 85 % of
+them (``gpu_plan.BENCHMARK_START_SHARE``) and then times fewer steps. A benchmark item's figures
 are its JSON report's: one that was written whole counts even when the process was stopped or failed
 afterwards (in its teardown), and the item says so. The results (gpu_check.json, gpu_check.md) and
 the whole output (gpu_check.log) are rewritten in --output after every item, so a call cut short keeps

@@ -75,6 +75,12 @@ _EAGER = ("--set", "train.compile=false")
 _FP8_LAYOUT = ("--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=1")
 """What FP8 needs, named for the CPU dry run's fp32 tiny config (the 1B config has both already)."""
 
+
+def _fp8_compiled(scaling: str) -> tuple[str, ...]:
+    """The compiled 1B engine with float8 linears scaled ``scaling``-wise, 2 warm-up and 6 timed steps."""
+    return ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", *_FP8_LAYOUT, "--set",
+                                           f"precision.fp8={scaling}", "--warmup", "2", "--steps", "6"))
+
 SWITCHES_EAGER = "lns_factor,rotary_kernel,swiglu_kernel,fused_accumulation"
 """What the eager item leaves out in turn on its one engine (``lnstrain/benchmark/switches.py``): each change's
 worth, and LNS against Pre-LN (LNS's factor off), interleaved with the engine as built."""
@@ -110,8 +116,7 @@ PLAN: tuple[Item, ...] = (
     Item("1b_fp8_compiled", 1, 130, "benchmark", "(g)",
          "the compiled item's engine with float8 linears (precision.fp8=tensorwise): tokens/s against 1b_compiled's "
          "bf16, MFU against the bf16 peak, memory; no switch (turning FP8 off would compile the layers again)",
-         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", *_FP8_LAYOUT, "--set", "precision.fp8=tensorwise",
-                                         "--warmup", "2", "--steps", "6")),
+         _fp8_compiled("tensorwise"),
          needs_engine=True),
     Item("1b_compiled_kernels_off", 2, 200, "benchmark", "(b)",
          "the compiled default path interleaved on one engine with both Triton kernels left out (inductor's own "
@@ -132,8 +137,7 @@ PLAN: tuple[Item, ...] = (
           "train.global_batch_size=2", "--set", "train.micro_batch_size=2", "--warmup", "2", "--steps", "4")),
     Item("1b_fp8_rowwise_compiled", 2, 140, "benchmark", "(g)",
          "as 1b_fp8_compiled with rowwise scales (precision.fp8=rowwise): its cost against tensorwise",
-         ("--config", CONFIG_1B, *_bench("--set", "train.compile=true", *_FP8_LAYOUT, "--set", "precision.fp8=rowwise",
-                                         "--warmup", "2", "--steps", "6")),
+         _fp8_compiled("rowwise"),
          needs_engine=True),
     Item("1b_lns_vs_pre_ln", 2, 75, "benchmark", "(e)",
          "LNS against Pre-LN on one engine in the training layout, its norms' LNS factors switched between "
